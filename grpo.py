@@ -1,0 +1,1072 @@
+"""GRPO (Group Relative Policy Optimization) for causal language models, in one file.
+
+GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300) samples `group_size` completions for each prompt,
+scores them with verifiable rewards, and uses each completion's reward standardised within its group as the
+advantage of every one of its tokens. The loss is PPO's clipped surrogate plus a KL penalty to a frozen
+reference policy. No value model.
+
+Where this file departs from the paper, and why:
+1. Clipping is `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` for both signs of A, with separate low and high
+   epsilons (DAPO, https://arxiv.org/abs/2503.14476) and an optional two-sided bound `delta` on r
+   (INTELLECT-2). Some trainers take `max` when A < 0, which removes the corrective gradient: not here.
+2. The KL penalty is added to the per-token loss (the paper's form), estimated with k3 by default
+   (http://joschu.net/blog/kl-approx.html); `--kl-coef 0` (the default, as in TRL) builds no reference at all.
+3. Loss aggregation is explicit (`--loss-type`, see `grpo_loss`), and every normaliser is the count over the
+   whole batch, across micro-batches and processes, so the update never depends on how the batch is split.
+4. `--scale-rewards group|batch|none`: Dr. GRPO (https://arxiv.org/abs/2503.20783) drops the std scaling.
+5. Log-probs are computed at completion positions only, from logits divided by the sampling temperature, in
+   fp32; the sampler's own log-probs are kept and their gap to the training log-probs is logged every step.
+
+Run it:
+    python grpo.py                                     # tiny model, built-in task, CPU, a few minutes
+    python grpo.py --kl-coef 0.05 --loss-type grpo     # any flag: python grpo.py --help
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl --lora-r 16 --kl-coef 0.05 \\
+        --max-new-tokens 256 --learning-rate 1e-5 --output-dir runs/qwen-gsm8k
+    torchrun --standalone --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl
+"""
+
+import copy
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Callable, Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+
+from common import RunLogger, print0, seed_everything
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment: model init, prompt order and sampling all follow from it"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, summary.json, checkpoints and final/ go (default: runs/{run_name})"""
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works; a failure to start is a warning, not a crash)"""
+    wandb_project_name: str = "grpo"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team); None = your default"""
+    wandb_group: Optional[str] = None
+    """the wandb group; None = a random name per launch"""
+
+    # Model and data
+    model: str = "tiny"
+    """`tiny` (a small random-init Llama built here, no download) or a hub id / local path of a causal LM"""
+    trust_remote_code: bool = False
+    """allow code from the model repository to run (off: only enable for repositories you trust)"""
+    data_path: Optional[str] = None
+    """JSONL training prompts, one {"prompt": str, "answer": str} per line; None = the built-in task"""
+    eval_data_path: Optional[str] = None
+    """JSONL held-out prompts in the same format; None = the built-in eval set, or no eval with --data-path"""
+    num_eval_prompts: int = 200
+    """how many held-out prompts to evaluate (the built-in task's eval set has this many)"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are an error (they would be truncated silently otherwise)"""
+    lora_r: int = 0
+    """LoRA rank; 0 = full fine-tuning"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear"""
+
+    # Rollout and reward
+    total_steps: int = 200
+    """number of training steps (one rollout batch each)"""
+    prompts_per_step: int = 16
+    """prompts per step, over all processes"""
+    group_size: int = 8
+    """completions sampled per prompt (the group GRPO standardises rewards in)"""
+    max_new_tokens: int = 4
+    """maximum completion length in tokens"""
+    temperature: float = 1.0
+    """sampling temperature (training log-probs use the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold; 1.0 = off"""
+    top_k: int = 0
+    """sample among the k most likely tokens; 0 = off"""
+    mask_truncated_completions: bool = False
+    """leave completions that hit max_new_tokens without EOS out of the loss (DAPO's overlong filtering)"""
+    answer_reward_weight: float = 1.0
+    """weight of the answer-match reward (1 when the final number equals the answer)"""
+    format_reward_weight: float = 0.0
+    """weight of the format reward (1 when the completion states its answer as a bare number, `#### n` or \\boxed{n})"""
+    prm_path: Optional[str] = None
+    """a PRM saved by prm.py: its step scores become a reward (imports prm.py only when given)"""
+    prm_aggregate: Literal["min", "prod", "last", "mean"] = "min"
+    """how step scores make one PRM reward per completion"""
+    prm_weight: float = 1.0
+    """weight of the PRM reward (set --answer-reward-weight 0 to train on the PRM alone)"""
+    prm_step_separator: Optional[str] = None
+    """how completions are split into steps for the PRM; None = the separator the PRM was trained with"""
+    reward_errors: Literal["raise", "skip"] = "raise"
+    """a reward function that raises or returns a non-finite value: stop with the sample named, or leave that
+    completion out of the step (counted in reward_errors)"""
+
+    # Loss
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """how token losses are aggregated (see grpo_loss)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)"""
+    kl_coef: float = 0.0
+    """weight of the KL penalty to the reference policy; 0 = no reference model at all"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator (k3 = exp(ref-logp) - (ref-logp) - 1, unbiased and always >= 0)"""
+    clip_eps_low: float = 0.2
+    """PPO clip: the ratio is clipped below at 1 - clip_eps_low"""
+    clip_eps_high: float = 0.2
+    """PPO clip: the ratio is clipped above at 1 + clip_eps_high (DAPO uses 0.28)"""
+    delta: Optional[float] = None
+    """optional upper bound on the unclipped ratio (two-sided clipping, INTELLECT-2); None = off"""
+
+    # Optimisation
+    learning_rate: float = 2e-3
+    """AdamW learning rate (1e-6 to 1e-5 is typical for full fine-tuning of real models, 1e-5 to 1e-4 for LoRA)"""
+    num_iterations: int = 1
+    """optimiser updates per rollout batch (ratios are taken against the rollout policy)"""
+    micro_batch_size: int = 0
+    """completions per forward/backward pass (gradient accumulation); 0 = the whole local batch at once"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this (0 = off)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in optimiser updates"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """learning rate after warm-up"""
+    max_bad_steps: int = 3
+    """stop after this many consecutive updates with a non-finite loss or gradient (each one is skipped)"""
+
+    # Evaluation, saving, system
+    eval_every: int = 50
+    """greedy held-out accuracy every this many steps (0 = only at the start and the end)"""
+    eval_batch_size: int = 256
+    """prompts per batch in evaluation"""
+    save_every: int = 0
+    """write a checkpoint every this many steps (0 = only the final model)"""
+    resume_from: Optional[str] = None
+    """a checkpoint directory written by this script to continue from"""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """weights and compute dtype; auto = bfloat16 on CUDA when supported, float32 otherwise"""
+    device: str = "auto"
+    """auto = cuda when available, else cpu"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, about 30% more compute)"""
+    peak_tflops: float = 0.0
+    """peak dense bf16 TFLOP/s of one device, for MFU; 0 = guess from the CUDA device name"""
+
+    # Derived (filled in at the top of train)
+    run_name: tyro.conf.Suppress[str] = ""
+    """{exp_name}__{seed}__{unix time}"""
+    world_size: tyro.conf.Suppress[int] = 1
+    """number of processes (torchrun)"""
+    local_prompts: tyro.conf.Suppress[int] = 0
+    """prompts per step on this process = prompts_per_step / world_size"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels: tensors in, (loss, stats) out. Tests import these.
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """A_i = (r_i - mean(group)) / (std + eps), rewards laid out group after group: [G0 c0..c{n-1}, G1 ...].
+
+    scale="group" divides by each group's std, "batch" by the std of the whole batch, "none" not at all.
+    std is the unbiased (Bessel) estimate, as in TRL and verl. A group whose rewards are all equal gets
+    advantage exactly 0 under every scale (it carries no signal about which completion is better).
+    """
+    grouped = rewards.view(-1, group_size)  # [num_groups, group_size]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
+    # the float mean of equal values can differ from them in the last bit, and /(std + eps) would blow that up
+    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(all_equal, torch.zeros_like(centred), centred).reshape(-1)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
+
+    With x = ref_logp - logp: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - x - 1 (unbiased and >= 0).
+    """
+    log_ratio = ref_logp - logp
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(log_ratio) - log_ratio  # expm1 keeps precision when the policies are close
+    raise ValueError(f"kl estimator must be k1, k2 or k3, got {estimator!r}")
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    kl_coef: float = 0.0,
+    loss_type: str = "grpo",
+    max_completion_length: Optional[int] = None,
+    delta: Optional[float] = None,
+    kl_estimator: str = "k3",
+    total_sequences: Optional[int] = None,
+    total_tokens: Optional[float] = None,
+) -> tuple[torch.Tensor, dict]:
+    """Clipped GRPO surrogate with a KL penalty, aggregated over the batch.
+
+    Shapes: logp, old_logp, ref_logp, mask [B, T] (mask 1 on completion tokens, EOS included); advantages [B].
+    Per token: l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * KL, with r = exp(logp - old_logp)
+    (with `delta`, the unclipped term uses min(r, delta), INTELLECT-2's two-sided bound). Aggregation, with m the mask, N the number of sequences
+    and M the number of completion tokens over the whole batch:
+        grpo:          (1/N) sum_i [ sum_t l_it m_it / sum_t m_it ]   (each sequence's token mean; empty rows add 0)
+        bnpo, dapo:    sum_it l_it m_it / M                            (token mean over the batch)
+        dr_grpo:       sum_it l_it m_it / (N * max_completion_length)  (a constant: no length bias)
+    This call may see only part of the batch (a micro-batch, or one process's share): pass the whole batch's
+    `total_sequences` (N) and `total_tokens` (M); summing the returned losses over the parts then gives the loss
+    and the gradient of the whole batch. When they are None the part is taken to be the whole batch.
+    (TRL's bnpo normalises by each micro-batch's own token count, which makes it depend on the split; here
+    bnpo and dapo are the same split-invariant token mean.)
+
+    stats (detached, masked token means over this part): ratio_mean, clip_frac_low (A<0 and r < 1-eps_low:
+    the clip is active and the token gets no gradient), clip_frac_high (A>0 and r > 1+eps_high), kl_mean,
+    pg_loss; plus `tokens`, this part's token count, to weight them when combining parts.
+    """
+    mask = mask.to(logp.dtype)
+    num_sequences = total_sequences if total_sequences is not None else logp.shape[0]
+    num_tokens = total_tokens if total_tokens is not None else mask.sum().item()
+    adv = advantages.unsqueeze(1)  # [B, 1]
+
+    in_loss = mask.bool()
+    # masked positions may hold anything (padding after EOS): zero their log-ratios before exp, or an overflow
+    # there would turn into inf * 0 = NaN in the loss and its gradient
+    ratio = torch.exp(torch.where(in_loss, logp - old_logp, 0.0))  # [B, T]
+    unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    token_loss = -torch.min(unclipped_ratio * adv, clipped_ratio * adv)  # [B, T]
+    pg_token_loss = token_loss
+    kl = None
+    if kl_coef != 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_coef != 0 needs ref_logp")
+        kl = kl_penalty(torch.where(in_loss, logp, 0.0), torch.where(in_loss, ref_logp, 0.0), kl_estimator)  # [B, T]
+        token_loss = token_loss + kl_coef * kl
+
+    if loss_type == "grpo":
+        seq_token_counts = mask.sum(dim=1).clamp(min=1.0)  # [B]; a fully masked row contributes 0
+        loss = ((token_loss * mask).sum(dim=1) / seq_token_counts).sum() / num_sequences
+    elif loss_type in ("bnpo", "dapo"):
+        loss = (token_loss * mask).sum() / max(num_tokens, 1.0)
+    elif loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type dr_grpo needs max_completion_length (the constant normaliser)")
+        loss = (token_loss * mask).sum() / (num_sequences * max_completion_length)
+    else:
+        raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
+
+    with torch.no_grad():
+        local_tokens = mask.sum().clamp(min=1.0)
+        low = ((adv < 0) & (ratio < 1.0 - clip_eps_low)).to(mask.dtype)
+        high = ((adv > 0) & (ratio > 1.0 + clip_eps_high)).to(mask.dtype)
+        stats = {
+            "ratio_mean": (ratio * mask).sum() / local_tokens,
+            "clip_frac_low": (low * mask).sum() / local_tokens,
+            "clip_frac_high": (high * mask).sum() / local_tokens,
+            "kl_mean": (kl * mask).sum() / local_tokens if kl is not None else torch.zeros(()),
+            "pg_loss": (pg_token_loss * mask).sum() / local_tokens,
+            "tokens": mask.sum(),
+        }
+    return loss, stats
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False, rows_per_chunk: int = 16):
+    """log softmax(logits / T)[target] in fp32, a few rows at a time so that only a slice of the
+    [B, T, V] logits ever exists in fp32. Returns logp [B, T] and, if asked, the entropy [B, T] (no grad)."""
+    logps, entropies = [], []
+    for start in range(0, logits.shape[0], rows_per_chunk):
+        chunk_logp = torch.log_softmax(logits[start:start + rows_per_chunk].float() / temperature, dim=-1)
+        logps.append(chunk_logp.gather(-1, targets[start:start + rows_per_chunk].unsqueeze(-1)).squeeze(-1))
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(-(chunk_logp.exp() * chunk_logp).sum(-1))
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Task and data: the built-in task, JSONL prompts, rewards.
+
+# The built-in task: the last digit of a sum of two 2-digit numbers, e.g. "(37+45)%10=" -> "2". Its answers are
+# checked exactly, a constant answer scores about 0.1, and every held-out prompt is a pair of numbers never seen
+# in training, so the policy must learn to read the units digits rather than memorise prompts.
+TINY_CHARS = list("0123456789+-*/%()= ")
+TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def builtin_task(seed: int, num_eval: int) -> tuple[list[dict], list[dict]]:
+    """All (a, b) pairs of 2-digit numbers, split into train and a held-out eval set that depends on the seed."""
+    rows = [{"prompt": f"({a}+{b})%10=", "answer": str((a + b) % 10)} for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(rows)
+    return rows[num_eval:], rows[:num_eval]
+
+
+def load_jsonl_prompts(path: str) -> list[dict]:
+    """Rows {"prompt": str, "answer": str}; an invalid row is an error that names the file and line."""
+    if not os.path.isfile(path):
+        raise UserError(f"data file {path!r} does not exist; pass a JSONL file of {{\"prompt\", \"answer\"}} rows")
+    rows = []
+    with open(path) as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UserError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise UserError(f"{path}:{line_number}: each row needs a string field \"prompt\"")
+            answer = row.get("answer")
+            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+                answer = str(answer)
+            if not isinstance(answer, str):
+                raise UserError(f"{path}:{line_number}: each row needs a field \"answer\" (a string or a number)")
+            rows.append({"prompt": row["prompt"], "answer": answer})
+    if not rows:
+        raise UserError(f"{path} holds no rows")
+    return rows
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+
+
+def parse_number(text: str) -> Optional[Fraction]:
+    """'1,234' -> 1234, '7.50' -> 15/2, '$3' -> 3, '1/2' -> 1/2; None when text holds no number."""
+    match = _NUMBER.search(text.replace("$", ""))
+    if match is None:
+        return None
+    try:
+        return Fraction(match.group(0).replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def final_answer(completion: str) -> Optional[str]:
+    """The answer a completion states: after `####`, inside \\boxed{}, or else its last number."""
+    if "####" in completion:
+        return completion.split("####")[-1].strip()
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", completion)
+    if boxed:
+        return boxed[-1]
+    numbers = _NUMBER.findall(completion.replace("$", ""))
+    return numbers[-1] if numbers else None
+
+
+def answer_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion's final answer equals the reference as a number (or as text, if not a number)."""
+    stated = final_answer(completion)
+    if stated is None:
+        return 0.0
+    stated_value, answer_value = parse_number(stated), parse_number(answer)
+    if stated_value is not None and answer_value is not None:
+        return float(stated_value == answer_value)
+    return float(stated.strip() == answer.strip())
+
+
+def format_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion states its answer in a form answer_reward reads unambiguously: a bare number,
+    or `#### n`, or \\boxed{n}."""
+    text = completion.strip()
+    if _NUMBER.fullmatch(text) or re.search(r"####\s*-?\d", text) or re.search(r"\\boxed\{[^{}]+\}", text):
+        return 1.0
+    return 0.0
+
+
+class UserError(Exception):
+    """A mistake in the user's input or flags: reported as one line, without a traceback."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model helpers: build or load, LoRA, generation, log-probs.
+
+
+def build_tiny_tokenizer():
+    """A character-level tokenizer over the built-in task's alphabet: a small action space is what lets RL from
+    a random init find rewards at all (a random policy must stumble on the right digit then EOS)."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token a char
+    tokenizer.add_special_tokens(TINY_SPECIALS)
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
+                                      eos_token="<eos>", unk_token="<unk>", model_max_length=1024)
+    wrapped.chat_template = TINY_CHAT_TEMPLATE
+    return wrapped
+
+
+def build_tiny_model(tokenizer):
+    """A 2-layer Llama with 128-wide hidden states (about 0.3M parameters), random init from the current seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=512, max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool):
+    """`tiny` is built here; anything else goes through AutoModelForCausalLM / AutoTokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path == "tiny":
+        tokenizer = build_tiny_tokenizer()
+        return build_tiny_model(tokenizer).to(dtype), tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
+                        f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
+    if tokenizer.pad_token_id is None:
+        print0(f"note: the tokenizer of {name_or_path} has no pad token; using EOS ({tokenizer.eos_token!r}) to pad")
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"the tokenizer of {name_or_path} has no EOS token, so completions could never end")
+    return model, tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout makes the training log-probs differ from the sampler's and from the reference's (TRL #3500)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool, max_prompt_length: int) -> list[list[int]]:
+    """Token ids for each prompt, through the chat template when the tokenizer has one and it is wanted."""
+    encoded = []
+    for index, prompt in enumerate(prompts):
+        if use_chat_template and tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        if len(ids) > max_prompt_length:
+            raise UserError(f"prompt {index} is {len(ids)} tokens, longer than --max-prompt-length "
+                            f"{max_prompt_length}: raise the limit or shorten the prompt")
+        encoded.append(list(ids))
+    return encoded
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad to a [B, P] id tensor and its attention mask, so that every prompt ends at the same column."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / the top-p nucleus to -inf. logits [B, V] (already divided by T)."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int, pad_id: int, temperature=1.0,
+             top_p=1.0, top_k=0, greedy=False, generator=None):
+    """Sample completions with a KV cache. prompt_ids, prompt_mask [B, P], left-padded.
+
+    Returns completion ids [B, T] (pad after EOS), the completion mask [B, T] (1 up to and including EOS), and
+    the sampler's log-probs [B, T] of the chosen tokens under softmax(logits / T) over the full vocabulary (the
+    distribution the training pass computes; top-k/top-p only choose which token is drawn).
+    """
+    from transformers import DynamicCache
+
+    batch = prompt_ids.shape[0]
+    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
+    attention_mask = prompt_mask
+    cache = DynamicCache()
+    logits = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    next_position = position_ids[:, -1:] + 1  # [B, 1]
+    finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    tokens, logps = [], []
+    for _ in range(max_new_tokens):
+        scaled = logits.float() / (1.0 if greedy else temperature)
+        logp_all = torch.log_softmax(scaled, dim=-1)  # [B, V]
+        if greedy:
+            token = scaled.argmax(-1)
+        else:
+            probs = filter_logits(scaled, top_k, top_p).softmax(-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        tokens.append(token)
+        logps.append(logp_all.gather(-1, token.unsqueeze(-1)).squeeze(-1))
+        finished |= token == eos_id
+        if finished.all():
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+        logits = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,
+                       cache=cache, use_cache=True).logits[:, -1]
+        next_position = next_position + 1
+    completion_ids = torch.stack(tokens, dim=1)  # [B, T]
+    is_eos = completion_ids == eos_id
+    # 1 up to and including the first EOS: positions whose count of earlier EOS tokens is 0
+    completion_mask = ((is_eos.cumsum(1) - is_eos.long()) == 0).long()
+    return completion_ids, completion_mask, torch.stack(logps, dim=1)
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                        with_entropy=False):
+    """Log-probs of the completion tokens under the model: one forward pass, with logits kept only at the T
+    positions that predict completion tokens (never [B, P+T, V]). Returns logp [B, T] and the entropy or None."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    num_completion = completion_ids.shape[1]
+    # logits_to_keep=T+1 returns positions P-1 .. P+T-1; the last one predicts past the end and is dropped
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=num_completion + 1, use_cache=False).logits[:, :-1]  # [B, T, V]
+    return token_logprobs(logits, completion_ids, temperature, with_entropy)
+
+
+def apply_lora(model, args: Args):
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def compute_rewards(completions: list[str], answers: list[str], reward_fns: list[tuple[str, Callable, float]],
+                    on_error: str) -> tuple[torch.Tensor, dict]:
+    """Weighted sum of reward functions per completion. A function that raises or returns a non-finite value is
+    reported with the sample index: raised as an error, or (on_error="skip") that sample's reward becomes NaN."""
+    totals = torch.zeros(len(completions), dtype=torch.float32)
+    per_fn = {}
+    for name, fn, weight in reward_fns:
+        values = []
+        for index, (completion, answer) in enumerate(zip(completions, answers)):
+            try:
+                value = float(fn(completion, answer))
+                if not math.isfinite(value):
+                    raise ValueError(f"returned {value}")
+            except Exception as error:
+                message = (f"reward {name} failed on sample {index} (prompt {index}'s completion {completion!r}): "
+                           f"{type(error).__name__}: {error}")
+                if on_error == "raise":
+                    raise UserError(message + " (use --reward-errors skip to drop such samples instead)") from None
+                print0("warning: " + message, file=sys.stderr)
+                value = float("nan")
+            values.append(value)
+        values = torch.tensor(values, dtype=torch.float32)
+        per_fn[name] = values
+        totals += weight * values
+    return totals, per_fn
+
+
+def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
+    fns = []
+    if args.answer_reward_weight:
+        fns.append(("answer", answer_reward, args.answer_reward_weight))
+    if args.format_reward_weight:
+        fns.append(("format", format_reward, args.format_reward_weight))
+    if not fns:
+        raise UserError("every reward weight is 0: give --answer-reward-weight, --format-reward-weight or --prm-path")
+    return fns
+
+
+def lr_lambda(args: Args, total_updates: int):
+    def factor(update: int) -> float:
+        if update < args.warmup_steps:
+            return (update + 1) / args.warmup_steps
+        if args.lr_schedule == "cosine":
+            progress = (update - args.warmup_steps) / max(1, total_updates - args.warmup_steps)
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+    return factor
+
+
+def memory_mb(device) -> float:
+    """Current memory: CUDA allocator, or the process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def guess_peak_tflops(device) -> float:
+    """Dense bf16 peak of common accelerators, for MFU. Unknown devices return 0 (pass --peak-tflops)."""
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40", 181.0), ("A10", 125.0),
+                        ("4090", 165.0), ("3090", 71.0), ("V100", 125.0), ("T4", 65.0)):
+        if key in name:
+            return tflops
+    return 0.0
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, rows, args: Args, device) -> float:
+    """Greedy accuracy (answer reward == 1) on held-out rows."""
+    if not rows:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    correct = 0.0
+    for start in range(0, len(rows), args.eval_batch_size):
+        batch = rows[start:start + args.eval_batch_size]
+        ids, mask = left_pad(encode_prompts(tokenizer, [r["prompt"] for r in batch], args.chat_template,
+                                            args.max_prompt_length), tokenizer.pad_token_id, device)
+        completion_ids, _, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
+                                        eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=True)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        correct += sum(answer_reward(t, r["answer"]) for t, r in zip(texts, batch))
+    model.train(was_training)
+    return correct / len(rows)
+
+
+def rng_state(generator: torch.Generator) -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "sampler": generator.get_state()}
+
+
+def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Optional[dict]) -> None:
+    """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact."""
+    temporary = path.rstrip("/") + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary)
+    tokenizer.save_pretrained(temporary)
+    with open(os.path.join(temporary, "args.json"), "w") as f:
+        json.dump({"script": "grpo.py", **asdict(args)}, f, indent=2)
+    if trainer_state is not None:
+        torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(temporary, path)
+
+
+def train(args: Args) -> dict:
+    # ---- set-up: processes, device, dtype, seeds
+    if args.group_size < 2:
+        raise UserError(f"--group-size must be at least 2 (got {args.group_size}): advantages compare completions "
+                        "of the same prompt")
+    if args.lora_r < 0:
+        raise UserError(f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
+    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    args.world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
+    if args.device == "auto":
+        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
+    if args.prompts_per_step % args.world_size:
+        raise UserError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
+                        f"{args.world_size}")
+    args.local_prompts = args.prompts_per_step // args.world_size
+    local_batch = args.local_prompts * args.group_size
+    micro_batch = args.micro_batch_size or local_batch
+    if micro_batch > local_batch:
+        raise UserError(f"--micro-batch-size {micro_batch} is larger than the local batch of {local_batch} "
+                        "completions (prompts per process x group size)")
+    if args.loss_type == "dr_grpo" and args.max_new_tokens <= 0:
+        raise UserError("--loss-type dr_grpo normalises by --max-new-tokens, which must be positive")
+    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
+                                             and torch.cuda.is_bf16_supported())
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    timestamp = int(time.time())
+    if distributed:  # every rank uses rank 0's clock, so the run name is the same everywhere
+        stamp = torch.tensor([timestamp], dtype=torch.long, device=device)
+        dist.broadcast(stamp, src=0)
+        timestamp = int(stamp.item())
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{timestamp}"
+    output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    seed_everything(args.seed)  # the same on every rank: identical initial weights (and a new PRM head)
+
+    # ---- model, reference policy, optimiser
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype, args.trust_remote_code)
+    disable_dropout(model)
+    reference = None
+    if args.lora_r > 0:
+        if args.resume_from:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, args.resume_from, is_trainable=True)
+        else:
+            model = apply_lora(model, args)
+    else:
+        if args.kl_coef != 0.0:  # the reference is the initial policy: copied before any resumed weights load
+            reference = copy.deepcopy(model).eval().requires_grad_(False).to(device)
+        if args.resume_from:
+            from safetensors.torch import load_file
+
+            model.load_state_dict(load_file(os.path.join(args.resume_from, "model.safetensors")), strict=False)
+    model.to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False  # generation passes its own cache
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # bf16 weights round away updates smaller than ~1/256 of the weight; the optimiser steps fp32 master
+    # copies and writes them back (LoRA adapters are already fp32, peft's default)
+    master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in trainable]
+    optimizer = torch.optim.AdamW(master, lr=args.learning_rate, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay, eps=1e-8)
+    total_updates = args.total_steps * args.num_iterations
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_updates))
+
+    # ---- data
+    if args.data_path is None:
+        train_rows, eval_rows = builtin_task(args.seed, args.num_eval_prompts)
+    else:
+        train_rows = load_jsonl_prompts(args.data_path)
+        eval_rows = load_jsonl_prompts(args.eval_data_path)[:args.num_eval_prompts] if args.eval_data_path else []
+    encode_prompts(tokenizer, [r["prompt"] for r in train_rows], args.chat_template, args.max_prompt_length)
+    reward_fns = make_reward_fns(args, device)
+
+    def prompts_for_step(step: int) -> list[dict]:
+        """This rank's prompts for a step: a fresh seeded permutation per epoch, so any step can be rebuilt
+        from its number alone (which is all that resuming needs)."""
+        chosen = []
+        for position in range(step * args.prompts_per_step, (step + 1) * args.prompts_per_step):
+            epoch, index = divmod(position, len(train_rows))
+            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_rows))
+            chosen.append(train_rows[order[index]])
+        return chosen[rank::args.world_size]
+
+    # ---- resume, logging
+    sampler = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)  # different samples per rank
+    start_step = 0
+    if args.resume_from:
+        state = torch.load(os.path.join(args.resume_from, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        for p, m in zip(trainable, master):
+            p.data.copy_(m.data)
+        start_step = state["step"]
+        rng = state["rng"][rank] if isinstance(state["rng"], list) else state["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        sampler.set_state(rng["sampler"])
+    os.makedirs(output_dir, exist_ok=True)
+    console = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
+               "clip_frac_high": "clip_hi", "completion_length": "len", "eval_accuracy": "eval_acc", "step_time_s": "dt",
+               "generation_time_s": "gen", "update_time_s": "upd"}
+    logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
+                       wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
+                       wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main,
+                       append=args.resume_from is not None)
+    n_params = sum(p.numel() for p in model.parameters())
+    print0(f"model {args.model}: {n_params:,} parameters ({sum(p.numel() for p in trainable):,} trained), "
+           f"{dtype}, {device}; {args.world_size} process(es), {args.prompts_per_step} prompts x "
+           f"{args.group_size} completions per step", enabled=is_main)
+
+    stop_signal = []
+    previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
+                         for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def checkpoint(step: int, name: str) -> None:
+        if is_main:
+            save_checkpoint(os.path.join(output_dir, name), model, tokenizer, args, {
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "rng": rng_state(sampler)})
+
+    eval_accuracy_start = evaluate(model, tokenizer, eval_rows, args, device) if is_main else float("nan")
+    print0(f"eval accuracy at step {start_step}: {eval_accuracy_start:.3f}", enabled=is_main)
+    eval_accuracy = eval_accuracy_start
+    timings = {"generation": 0.0, "reference": 0.0, "reward": 0.0, "update": 0.0}
+    step_times, memory_samples = [], []
+    generated_tokens = trained_tokens = 0
+    bad_steps_in_a_row = 0
+    skipped_updates = 0
+    run_start = time.perf_counter()
+
+    def sync_clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    for step in range(start_step, args.total_steps):
+        step_start = sync_clock()
+        # 1. rollout: every prompt repeated group_size times, sampled in one batch with a KV cache
+        rows = prompts_for_step(step)
+        prompt_list = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.chat_template,
+                                     args.max_prompt_length)
+        prompt_ids, prompt_mask = left_pad(prompt_list, tokenizer.pad_token_id, device)
+        prompt_ids = prompt_ids.repeat_interleave(args.group_size, dim=0)  # [B, P], B = prompts x group
+        prompt_mask = prompt_mask.repeat_interleave(args.group_size, dim=0)
+        model.eval()
+        completion_ids, completion_mask, sampler_logp = generate(
+            model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            generator=sampler)
+        model.train()
+        truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & (
+            completion_ids[:, -1] != tokenizer.eos_token_id)  # [B]: no EOS within max_new_tokens
+        t_generated = sync_clock()
+        timings["generation"] += t_generated - step_start
+
+        # 2. rewards, computed on the decoded text (EOS and padding removed)
+        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        answers = [r["answer"] for r in rows for _ in range(args.group_size)]
+        rewards, rewards_per_fn = compute_rewards(completions, answers, reward_fns, args.reward_errors)
+        t_rewarded = sync_clock()
+        timings["reward"] += t_rewarded - t_generated
+
+        # 3. advantages; a sample whose reward failed (NaN) leaves the loss, and its group is scored without it
+        failed = torch.isnan(rewards)
+        group_means = torch.nanmean(rewards.view(-1, args.group_size), dim=1).nan_to_num(0.0)
+        filled = torch.where(failed, group_means.repeat_interleave(args.group_size), rewards)
+        advantages = group_advantages(filled, args.group_size, args.scale_rewards).to(device)  # [B]
+        loss_mask = completion_mask.clone()
+        loss_mask[failed.to(device)] = 0
+        if args.mask_truncated_completions:
+            loss_mask[truncated] = 0
+        grouped_rewards = filled.view(-1, args.group_size)
+        zero_std_groups = (grouped_rewards == grouped_rewards[:, :1]).all(dim=1).float().mean().item()
+
+        # 4. reference log-probs (no grad); old log-probs come free from the first iteration (see step 5)
+        micro_batches = [slice(i, i + micro_batch) for i in range(0, local_batch, micro_batch)]
+        ref_logp = torch.zeros_like(sampler_logp)
+        if args.kl_coef != 0.0:
+            with torch.no_grad():
+                for mb in micro_batches:
+                    if reference is None:  # LoRA: the base model is the reference, with the adapter switched off
+                        with model.disable_adapter():
+                            ref_logp[mb] = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb],
+                                                               completion_ids[mb], completion_mask[mb],
+                                                               args.temperature)[0]
+                    else:
+                        ref_logp[mb] = completion_logprobs(reference, prompt_ids[mb], prompt_mask[mb],
+                                                           completion_ids[mb], completion_mask[mb],
+                                                           args.temperature)[0]
+        t_referenced = sync_clock()
+        timings["reference"] += t_referenced - t_rewarded
+
+        # 5. update: num_iterations optimiser steps over the batch, accumulating micro-batches. The weights do not
+        # change within an iteration, so iteration 0's log-probs *are* the rollout policy's: kept as old_logp.
+        counts = torch.tensor([float(loss_mask.sum()), float(local_batch)], device=device)
+        if distributed:
+            dist.all_reduce(counts)
+        total_tokens, total_sequences = counts[0].item(), int(counts[1].item())
+        old_logp = torch.zeros_like(sampler_logp)
+        stat_sums: dict[str, float] = {}
+        for iteration in range(args.num_iterations):
+            loss_sum = 0.0
+            for mb in micro_batches:
+                logp, entropy = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb], completion_ids[mb],
+                                                    completion_mask[mb], args.temperature, with_entropy=True)
+                if iteration == 0:
+                    old_logp[mb] = logp.detach()
+                loss, stats = grpo_loss(
+                    logp, old_logp[mb], ref_logp[mb], advantages[mb], loss_mask[mb],
+                    clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
+                    loss_type=args.loss_type, max_completion_length=args.max_new_tokens, delta=args.delta,
+                    kl_estimator=args.kl_estimator, total_sequences=total_sequences, total_tokens=total_tokens)
+                loss.backward()
+                loss_sum += loss.item()
+                if iteration == args.num_iterations - 1:  # report the last iteration's view of the batch
+                    tokens = stats.pop("tokens").item()
+                    stats["entropy"] = (entropy * loss_mask[mb]).sum() / max(tokens, 1.0)
+                    for key, value in stats.items():
+                        stat_sums[key] = stat_sums.get(key, 0.0) + value.item() * tokens
+                    stat_sums["tokens"] = stat_sums.get("tokens", 0.0) + tokens
+            # gradients: each process's loss is already divided by the global counts, so the sum is the mean
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+            if distributed:
+                flat = torch.cat([g.reshape(-1).float() for g in grads])
+                dist.all_reduce(flat)
+                grads = list(torch.split(flat, [g.numel() for g in grads]))
+            for p, m, g in zip(trainable, master, grads):
+                m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
+            grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
+                                                       else float("inf"))
+            if math.isfinite(loss_sum) and torch.isfinite(grad_norm):
+                optimizer.step()
+                bad_steps_in_a_row = 0
+                for p, m in zip(trainable, master):
+                    if m is not p:
+                        p.data.copy_(m.data)
+            else:  # a non-finite loss or gradient would poison the weights: skip this update
+                skipped_updates += 1
+                bad_steps_in_a_row += 1
+                print0(f"warning: non-finite loss or gradient at step {step}; update skipped", file=sys.stderr,
+                       enabled=is_main)
+                if bad_steps_in_a_row >= args.max_bad_steps:
+                    raise RuntimeError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
+                                       "lower --learning-rate or check the reward scale")
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+        t_updated = sync_clock()
+        timings["update"] += t_updated - t_referenced
+
+        # 6. log (metrics averaged over processes), evaluate, save
+        step_time = t_updated - step_start
+        step_times.append(step_time)
+        n_generated = int(completion_mask.sum())
+        generated_tokens += n_generated
+        trained_tokens += int(loss_mask.sum()) * args.num_iterations
+        token_count = max(stat_sums.pop("tokens", 0.0), 1.0)
+        local = {
+            "reward": rewards.nanmean().item(),
+            "reward_std": rewards[~failed].std().item() if (~failed).sum() > 1 else 0.0,
+            **{f"reward_{name}": values.nanmean().item() for name, values in rewards_per_fn.items()},
+            "accuracy": rewards_per_fn["answer"].nanmean().item() if "answer" in rewards_per_fn else float("nan"),
+            "loss": loss_sum,
+            **{key: value / token_count for key, value in stat_sums.items()},
+            "grad_norm": grad_norm.item(),
+            "frac_zero_std_groups": zero_std_groups,
+            "completion_length": completion_mask.sum(1).float().mean().item(),
+            "truncated_frac": truncated.float().mean().item(),
+            "reward_errors": float(failed.sum()),
+            # training and sampler log-probs of the same tokens, same weights: any gap is numerical mismatch
+            "logp_gap_max": ((old_logp - sampler_logp).abs() * completion_mask).max().item(),
+            "logp_gap_mean": ((old_logp - sampler_logp).abs() * completion_mask).sum().item()
+            / max(n_generated, 1),
+        }
+        if distributed:
+            keys = sorted(local)
+            values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
+            dist.all_reduce(values)
+            local = {k: v / args.world_size for k, v in zip(keys, values.tolist())}
+            local["reward_errors"] *= args.world_size
+        memory_samples.append(memory_mb(device))
+        metrics = {**local, "learning_rate": scheduler.get_last_lr()[0], "step_time_s": step_time,
+                   "generation_time_s": t_generated - step_start, "reward_time_s": t_rewarded - t_generated,
+                   "reference_time_s": t_referenced - t_rewarded, "update_time_s": t_updated - t_referenced,
+                   "memory_mb": memory_samples[-1]}
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
+            if is_main:
+                eval_accuracy = evaluate(model, tokenizer, eval_rows, args, device)
+            metrics["eval_accuracy"] = eval_accuracy
+        logger.log(step + 1, metrics)
+        interrupted = bool(stop_signal)
+        if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
+            checkpoint(step + 1, f"checkpoint-{step + 1}")
+        if interrupted:
+            print0(f"stopped by signal at step {step + 1}; resume with --resume-from "
+                   f"{os.path.join(output_dir, f'checkpoint-{step + 1}')}", enabled=is_main)
+            break
+
+    # ---- final evaluation, model, benchmark summary
+    total_time = time.perf_counter() - run_start
+    for sig, handler in previous_handlers.items():
+        signal.signal(sig, handler)
+    if is_main:
+        eval_accuracy = evaluate(model, tokenizer, eval_rows, args, device)
+        save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None)
+    steps_done = len(step_times)
+    timed = step_times[1:] or step_times  # the first step pays for warm-up (allocations, kernel selection)
+    update_time = max(timings["update"], 1e-9)
+    summary = {
+        "steps": start_step + steps_done,
+        "total_time_s": total_time,
+        "step_time_s_mean": float(np.mean(timed)) if timed else float("nan"),
+        "generation_time_s": timings["generation"],
+        "reference_time_s": timings["reference"],
+        "reward_time_s": timings["reward"],
+        "update_time_s": timings["update"],
+        "generated_tokens_per_s": generated_tokens * args.world_size / max(timings["generation"], 1e-9),
+        "trained_tokens_per_s": trained_tokens * args.world_size / update_time,
+        "peak_memory_mb": peak_memory_mb(device),
+        "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
+        "eval_accuracy_start": eval_accuracy_start,
+        "eval_accuracy_end": eval_accuracy,
+        "skipped_updates": skipped_updates,
+        "parameters": n_params,
+    }
+    if device.type == "cuda":
+        peak = args.peak_tflops or guess_peak_tflops(device)
+        # 2 FLOPs per parameter per token forward, 6 forward+backward: sampling, reference, update
+        flops = 2 * n_params * generated_tokens + 6 * n_params * trained_tokens
+        if args.kl_coef:
+            flops += 2 * n_params * trained_tokens / args.num_iterations
+        summary["mfu"] = flops / total_time / (peak * 1e12) if peak else float("nan")
+    logger.summary(summary, output_dir)
+    logger.close()
+    if distributed:
+        dist.destroy_process_group()
+    return summary
+
+
+def main() -> None:
+    try:
+        train(tyro.cli(Args))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

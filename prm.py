@@ -1,0 +1,978 @@
+"""Process reward model (PRM) training and scoring for causal language models, in one file.
+
+A PRM gives every step of a solution a score: the probability that the solution is still correct after that
+step (Lightman et al. 2023, https://arxiv.org/abs/2305.20050; Math-Shepherd, https://arxiv.org/abs/2312.08935).
+Here it is a transformer backbone (no LM head) plus a scalar head read at the last token of each step's
+separator, trained on rows {"prompt", "completions": [step, ...], "labels": [0..1 per step]}.
+
+Where this file departs from the papers and from other trainers, and why:
+1. The head is one `Linear(hidden, 1)` in fp32 on the backbone's last hidden state (loaded with `AutoModel`), not
+   the LM head over "+"/"-" tokens (Math-Shepherd) or a 2-class token classifier (TRL): no vocabulary logits are
+   ever computed, and one logit is all a two-class softmax carries anyway.
+2. Loss `bce` (binary cross-entropy, hard or soft labels: Math-Shepherd's soft estimation) or `mse` on the raw
+   head output (Qwen's soft-label ablation, https://arxiv.org/abs/2501.07301); a masked mean over real steps.
+3. Tokenisation: the prompt and each `step + separator` are tokenised as separate strings and concatenated, so a
+   BPE merge can never cross a step boundary and each label sits on a token that ends exactly at its separator.
+   Training, evaluation and scoring all go through `build_prm_example`, so scores cannot drift from training.
+4. Truncation drops whole steps (never a partial step that keeps its label) and counts them; a row with no step
+   left (e.g. a prompt longer than --max-length) is dropped and counted too.
+5. Metrics: step accuracy at 0.5, step AUROC, and ProcessBench's first-error F1 (https://arxiv.org/abs/2412.06559)
+   with its threshold chosen on validation rows that are never trained on; plus the same figures for a
+   position-only baseline that ignores step content, to show what the model actually reads.
+
+Run it:
+    python prm.py                                      # tiny model, built-in stepwise task, CPU, about a minute
+    python prm.py --loss-kind mse --lora-r 8           # any flag: python prm.py --help
+    python prm.py --model Qwen/Qwen2.5-0.5B --data-path steps.jsonl --eval-data-path steps_eval.jsonl \\
+        --lora-r 16 --learning-rate 1e-4 --step-separator $'\\n\\n' --output-dir runs/qwen-prm
+    python prm.py --prm-path runs/qwen-prm/final --score-data-path rows.jsonl --scores-output scores.jsonl
+    torchrun --standalone --nproc_per_node 8 prm.py --model Qwen/Qwen2.5-0.5B --data-path steps.jsonl
+From Python: `prm = load_prm("runs/qwen-prm/final"); score_steps(prm, prompts, steps)`.
+"""
+
+import copy
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+
+from common import RunLogger, print0, seed_everything
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment: model init, built-in data and batch order all follow from it"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, summary.json and final/ go (default: runs/{run_name})"""
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works; a failure to start is a warning, not a crash)"""
+    wandb_project_name: str = "prm"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team); None = your default"""
+    wandb_group: Optional[str] = None
+    """the wandb group; None = a random name per launch"""
+
+    # Model and data
+    model: str = "tiny"
+    """`tiny` (a small random-init Llama built here, no download) or a hub id / local path of a transformer"""
+    trust_remote_code: bool = False
+    """allow code from the model repository to run (off: only enable for repositories you trust)"""
+    data_path: Optional[str] = None
+    """JSONL training rows {"prompt": str, "completions": [str, ...], "labels": [bool or 0..1, ...]};
+    None = the built-in task"""
+    eval_data_path: Optional[str] = None
+    """JSONL held-out rows in the same format; None = the built-in eval set, or no eval with --data-path"""
+    num_eval_rows: int = 500
+    """at most this many held-out rows are evaluated"""
+    num_val_rows: int = 200
+    """rows held out of the training data (never trained on) to choose the first-error threshold; 0 = 0.5"""
+    step_separator: str = "\n"
+    """appended to every step, the last one included; the step's label sits on its last token"""
+    max_length: int = 1024
+    """most tokens per row: steps that do not fit whole are dropped (and counted)"""
+    skip_bad_rows: bool = False
+    """skip and count invalid JSONL rows instead of stopping at the first one"""
+    lora_r: int = 0
+    """LoRA rank on the backbone (the head is always fully trained); 0 = full fine-tuning"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear"""
+
+    # Loss
+    loss_kind: Literal["bce", "mse"] = "bce"
+    """bce: binary cross-entropy with logits (hard or soft labels); mse: squared error of the raw head output"""
+
+    # Optimisation
+    total_steps: int = 400
+    """number of optimiser steps (ignored when --epochs is given)"""
+    epochs: Optional[float] = None
+    """train for this many passes over the training rows instead of --total-steps"""
+    batch_size: int = 32
+    """rows per optimiser step, over all processes"""
+    micro_batch_size: int = 0
+    """rows per forward/backward pass (gradient accumulation); 0 = the whole local batch at once"""
+    learning_rate: float = 2e-3
+    """AdamW learning rate (1e-5 is typical for full fine-tuning of real models, 1e-4 for LoRA)"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this (0 = off)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas"""
+    warmup_steps: int = 20
+    """linear learning-rate warm-up, in optimiser steps"""
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """learning rate after warm-up"""
+    max_bad_steps: int = 3
+    """stop after this many consecutive steps with a non-finite loss or gradient (each one is skipped)"""
+
+    # Evaluation, scoring, system
+    eval_every: int = 100
+    """held-out metrics every this many steps (0 = only at the start and the end)"""
+    eval_batch_size: int = 64
+    """rows per forward pass in evaluation and scoring"""
+    prm_path: Optional[str] = None
+    """score with this saved PRM (a final/ directory) instead of training; needs --score-data-path"""
+    score_data_path: Optional[str] = None
+    """JSONL rows {"prompt", "completions"} to score: with the saved --prm-path, or after training"""
+    scores_output: Optional[str] = None
+    """where the scores go: the input rows plus "scores", one per kept step (default after training:
+    {output_dir}/scores.jsonl)"""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """backbone weights and compute dtype (the head is always fp32); auto = bfloat16 on CUDA when supported"""
+    device: str = "auto"
+    """auto = cuda when available, else cpu"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, about 30% more compute)"""
+    peak_tflops: float = 0.0
+    """peak dense bf16 TFLOP/s of one device, for MFU; 0 = guess from the CUDA device name"""
+
+    # Derived (filled in at the top of train)
+    run_name: tyro.conf.Suppress[str] = ""
+    """{exp_name}__{seed}__{unix time}"""
+    world_size: tyro.conf.Suppress[int] = 1
+    """number of processes (torchrun)"""
+    local_batch: tyro.conf.Suppress[int] = 0
+    """rows per step on this process = batch_size / world_size"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels and metrics: tensors or lists in, numbers out, no args. Tests import these.
+
+
+def prm_loss(step_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, kind: str = "bce", *,
+             total_steps: Optional[float] = None) -> tuple[torch.Tensor, dict]:
+    """Masked mean over real steps of the per-step loss. Shapes: step_logits, labels, mask [B, S], S = the most
+    steps in the batch; mask 1 on real steps, 0 on padding (a row with no steps is all 0 and adds nothing).
+
+        bce: -(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z)))   (y in [0, 1]: hard or soft labels)
+        mse: (z - y)^2                                            (z, the raw head output, is the score)
+
+    loss = sum(l * mask) / N, N = the number of real steps. When this call sees only part of the batch (a
+    micro-batch, or one process's share), pass the whole batch's `total_steps` as N: the parts' losses then sum
+    to the loss (and gradient) of the whole batch. Computed in fp32 whatever the input dtype.
+    stats (detached, over this part): accuracy (score >= 0.5 agrees with label >= 0.5), score_mean, steps.
+    """
+    logits, labels, mask = step_logits.float(), labels.float(), mask.bool()
+    if kind == "bce":
+        per_step = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")  # [B, S]
+        scores = torch.sigmoid(logits)
+    elif kind == "mse":
+        per_step = (logits - labels) ** 2
+        scores = logits
+    else:
+        raise ValueError(f"kind must be bce or mse, got {kind!r}")
+    count = total_steps if total_steps is not None else mask.sum().item()
+    loss = per_step.masked_fill(~mask, 0.0).sum() / max(count, 1.0)  # masked_fill: padding can never leak a NaN
+    with torch.no_grad():
+        local = mask.sum().clamp(min=1)
+        agree = (scores >= 0.5) == (labels >= 0.5)
+        stats = {"accuracy": (agree & mask).sum() / local, "score_mean": scores.masked_fill(~mask, 0.0).sum() / local,
+                 "steps": mask.sum()}
+    return loss, stats
+
+
+def step_accuracy(scores, labels, threshold: float = 0.5) -> float:
+    """Fraction of steps where score >= threshold agrees with label >= 0.5 (a soft label of 0.5 counts as
+    correct). Flat sequences of step scores and labels; NaN when empty."""
+    scores, labels = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
+    return float(np.mean((scores >= threshold) == (labels >= 0.5))) if len(scores) else float("nan")
+
+
+def auroc(scores, labels) -> float:
+    """Area under the ROC curve of step scores, correct steps (label >= 0.5) as the positive class: the chance
+    that a random correct step outscores a random wrong one, ties counting one half (Mann-Whitney U with average
+    ranks). NaN when either class is absent."""
+    scores, positive = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float) >= 0.5
+    num_pos, num_neg = int(positive.sum()), int((~positive).sum())
+    if num_pos == 0 or num_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
+    ranks = np.empty(len(scores))
+    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)  # 1-based rank, averaged over each tie group
+    return float((ranks[positive].sum() - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg))
+
+
+def first_below(values, threshold: float) -> int:
+    """Index of the first value below threshold, or -1 when there is none."""
+    return next((k for k, value in enumerate(values) if value < threshold), -1)
+
+
+def first_error_f1(step_scores: list, step_labels: list, threshold: float) -> tuple[float, float, float]:
+    """ProcessBench's F1 over solutions (ragged lists of per-step scores and labels, one list per solution).
+
+    The true first error is the first step with label < 0.5 (-1 for a fully correct solution); the predicted one
+    is the first step with score < threshold. acc_err = exact-match rate on erroneous solutions, acc_corr = the
+    rate of predicting -1 on correct ones, F1 = 2 acc_err acc_corr / (acc_err + acc_corr) (0 when both are 0).
+    Returns (f1, acc_err, acc_corr); an accuracy over no solutions, and then F1, is NaN.
+    """
+    hits = {True: [], False: []}  # keyed by "the solution has an error"
+    for scores, labels in zip(step_scores, step_labels):
+        truth = first_below(labels, 0.5)
+        hits[truth >= 0].append(first_below(scores, threshold) == truth)
+    acc_err = float(np.mean(hits[True])) if hits[True] else float("nan")
+    acc_corr = float(np.mean(hits[False])) if hits[False] else float("nan")
+    f1 = 2 * acc_err * acc_corr / (acc_err + acc_corr) if acc_err + acc_corr > 0 else 0.0
+    return (f1 if math.isfinite(acc_err + acc_corr) else float("nan")), acc_err, acc_corr
+
+
+def choose_threshold(step_scores: list, step_labels: list, max_candidates: int = 256) -> float:
+    """The threshold with the best first-error F1 on these (validation) solutions. Candidates are the midpoints
+    between neighbouring distinct scores (at most max_candidates of them, spread over the quantiles) plus one
+    below and one above every score; 0.5 when no candidate gives a finite F1."""
+    values = np.unique(np.concatenate([np.asarray(s, dtype=float) for s in step_scores] + [np.zeros(0)]))
+    if len(values) == 0:
+        return 0.5
+    if len(values) > max_candidates:
+        values = np.unique(np.quantile(values, np.linspace(0.0, 1.0, max_candidates)))
+    candidates = np.concatenate([[values[0] - 1.0], (values[1:] + values[:-1]) / 2, [values[-1] + 1.0]])
+    best, best_f1 = 0.5, -1.0
+    for threshold in candidates:
+        f1 = first_error_f1(step_scores, step_labels, float(threshold))[0]
+        if math.isfinite(f1) and f1 > best_f1:
+            best, best_f1 = float(threshold), f1
+    return best
+
+
+def position_baseline(train_labels: list, lengths: list[int]) -> list[list[float]]:
+    """Scores from the step index alone, blind to content: the training rate of correct steps at each index
+    (the last seen index's rate beyond it). One list of `length` scores per solution."""
+    longest = max((len(labels) for labels in train_labels), default=0)
+    rates = [float(np.mean([labels[k] >= 0.5 for labels in train_labels if len(labels) > k])) for k in range(longest)]
+    rates = rates or [0.5]
+    return [[rates[min(k, len(rates) - 1)] for k in range(length)] for length in lengths]
+
+
+def aggregate_scores(scores: list[float], how: str) -> float:
+    """One number per solution from its step scores: min (Math-Shepherd), prod (Lightman), last or mean.
+    A solution with no scored step (e.g. all truncated away) gets 0.0, the score of a surely wrong step."""
+    if how not in ("min", "prod", "last", "mean"):
+        raise ValueError(f"how must be min, prod, last or mean, got {how!r}")
+    if not scores:
+        return 0.0
+    if how == "min":
+        return float(min(scores))
+    if how == "prod":
+        return float(np.prod(scores))
+    if how == "last":
+        return float(scores[-1])
+    return float(np.mean(scores))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Task and data: the built-in task, JSONL rows, tokenisation, collation.
+
+# The built-in task: a chain of single-digit steps, each restating the previous result and applying a small
+# change. An injected error restates a wrong value (the step's own arithmetic stays right, and later steps carry
+# on consistently from it), so checking a step means comparing its first digit with the previous step's last:
+# a copy-and-compare a small transformer learns in a minute, and that step position alone cannot predict.
+#     prompt "start 7\n"  completions ["7+2=9", "9-3=6", "4+1=5", "5+3=8"]  labels [1, 1, 0, 0]
+TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=%()., \n")
+TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+
+def make_solution(rng: random.Random, min_steps: int = 3, max_steps: int = 6, p_error: float = 0.5) -> dict:
+    """One built-in row: with probability p_error one step (uniform) restates a wrong value."""
+    num_steps = rng.randint(min_steps, max_steps)
+    value = rng.randint(0, 9)
+    prompt = f"start {value}\n"
+    error_at = rng.randrange(num_steps) if rng.random() < p_error else num_steps
+    steps = []
+    for k in range(num_steps):
+        stated = rng.choice([d for d in range(10) if d != value]) if k == error_at else value
+        change = rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if 0 <= stated + d <= 9])
+        value = stated + change
+        steps.append(f"{stated}{'+' if change > 0 else '-'}{abs(change)}={value}")
+    return {"prompt": prompt, "completions": steps, "labels": [float(k < error_at) for k in range(num_steps)]}
+
+
+def builtin_task(seed: int, num_val: int, num_eval: int, num_train: int = 10000) -> tuple[list, list, list]:
+    """Distinct built-in rows, split into train, validation (threshold choice) and eval: no held-out row is
+    a training row."""
+    rng = random.Random(seed)
+    unique: dict[tuple, dict] = {}
+    while len(unique) < num_train + num_val + num_eval:
+        row = make_solution(rng)
+        unique.setdefault((row["prompt"], *row["completions"]), row)
+    rows = list(unique.values())
+    rng.shuffle(rows)
+    return rows[num_val + num_eval:], rows[num_eval:num_eval + num_val], rows[:num_eval]
+
+
+def parse_row(line: str, need_labels: bool) -> dict:
+    """One JSONL row, checked: raises ValueError saying what is wrong."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"invalid JSON ({error.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError("a row must be a JSON object")
+    prompt, steps, labels = row.get("prompt"), row.get("completions"), row.get("labels")
+    if not isinstance(prompt, str):
+        raise ValueError('needs a string field "prompt"')
+    if not isinstance(steps, list) or not all(isinstance(step, str) for step in steps):
+        raise ValueError('needs a field "completions", a list of strings (the steps)')
+    if labels is None and not need_labels:
+        return {"prompt": prompt, "completions": steps}
+    if not isinstance(labels, list):
+        raise ValueError('needs a field "labels", a list of one bool or number in [0, 1] per step')
+    if len(labels) != len(steps):
+        raise ValueError(f"{len(labels)} labels for {len(steps)} steps: there must be one label per step")
+    if need_labels and not steps:
+        raise ValueError("no steps to learn from")
+    for k, label in enumerate(labels):
+        if isinstance(label, bool):
+            continue
+        if not isinstance(label, (int, float)) or not (0.0 <= label <= 1.0):  # NaN fails the comparison too
+            raise ValueError(f"label {k} is {label!r}: labels must be bools or numbers in [0, 1]")
+    return {"prompt": prompt, "completions": steps, "labels": [float(label) for label in labels]}
+
+
+def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool = False) -> tuple[list[dict], int]:
+    """Rows of a JSONL file and the number skipped. An invalid row is an error naming the file and line, or,
+    with skip_bad_rows, a warning and a count."""
+    if not os.path.isfile(path):
+        raise UserError(f"data file {path!r} does not exist; pass a JSONL file of "
+                        '{"prompt", "completions", "labels"} rows')
+    rows, skipped = [], 0
+    with open(path) as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(parse_row(line, need_labels))
+            except ValueError as problem:
+                if not skip_bad_rows:
+                    raise UserError(f"{path}:{line_number}: {problem} (--skip-bad-rows skips such rows)") from None
+                skipped += 1
+                print0(f"warning: skipped {path}:{line_number}: {problem}", file=sys.stderr, enabled=skipped <= 5)
+    if skipped:
+        print0(f"warning: skipped {skipped} invalid rows of {path}", file=sys.stderr)
+    if not rows:
+        raise UserError(f"{path} holds no valid rows")
+    return rows, skipped
+
+
+def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separator: str,
+                      max_length: int) -> tuple[list[int], list[int]]:
+    """The one tokenisation of training, evaluation and scoring: `[bos] prompt step1 sep step2 sep ...`.
+
+    The prompt and each `step + sep` are tokenised as separate strings (no special tokens) and concatenated, so
+    no BPE merge crosses a step boundary: label_positions[k], the index of the last token of step k's
+    separator, always ends exactly there, and decoding input_ids[: label_positions[k] + 1] gives back the
+    prompt and the first k+1 steps with their separators. (A tokenizer that prepends a space to every string it
+    encodes, like sentencepiece's Metaspace, adds that space to each step: the same in training and scoring.)
+    BOS is prepended when the tokenizer has one. Steps that do not fit whole in max_length tokens are dropped,
+    with every step after them, so len(label_positions) <= len(steps); when the prompt alone does not fit,
+    label_positions is empty (the caller counts the row as dropped) and input_ids is cut to max_length.
+    """
+    if not step_separator:
+        raise ValueError("step_separator must not be empty: each step's label sits on its separator's last token")
+    pieces = tokenizer([prompt] + [step + step_separator for step in steps], add_special_tokens=False)["input_ids"]
+    input_ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(pieces[0])
+    if len(input_ids) > max_length:
+        return input_ids[:max_length], []
+    label_positions = []
+    for piece in pieces[1:]:
+        if len(input_ids) + len(piece) > max_length:
+            break
+        input_ids += piece
+        label_positions.append(len(input_ids) - 1)
+    return input_ids, label_positions
+
+
+def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int) -> tuple[list[dict], int, int]:
+    """Examples {input_ids, positions, labels (of the kept steps), row} for rows that keep at least one step,
+    plus the numbers of dropped steps and dropped rows."""
+    examples, dropped_steps, dropped_rows = [], 0, 0
+    for index, row in enumerate(rows):
+        input_ids, positions = build_prm_example(tokenizer, row["prompt"], row["completions"],
+                                                 step_separator=step_separator, max_length=max_length)
+        dropped_steps += len(row["completions"]) - len(positions)
+        if not positions:
+            dropped_rows += 1
+            continue
+        labels = row["labels"][:len(positions)] if "labels" in row else None
+        examples.append({"input_ids": input_ids, "positions": positions, "labels": labels, "row": index})
+    return examples, dropped_steps, dropped_rows
+
+
+def collate(examples: list[dict], pad_id: int, device) -> dict:
+    """Right-pad to input_ids, attention_mask [B, T] and positions, labels, mask [B, S]. With right padding and
+    causal attention no real token ever attends to a pad, so scores do not depend on the batch they are in."""
+    width = max(len(e["input_ids"]) for e in examples)
+    most_steps = max(len(e["positions"]) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    positions = torch.zeros((len(examples), most_steps), dtype=torch.long)  # padding gathers token 0, masked out
+    labels = torch.zeros((len(examples), most_steps), dtype=torch.float32)
+    mask = torch.zeros((len(examples), most_steps), dtype=torch.bool)
+    for row, e in enumerate(examples):
+        input_ids[row, :len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        attention_mask[row, :len(e["input_ids"])] = 1
+        positions[row, :len(e["positions"])] = torch.tensor(e["positions"])
+        mask[row, :len(e["positions"])] = True
+        if e["labels"] is not None:
+            labels[row, :len(e["labels"])] = torch.tensor(e["labels"])
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "positions": positions, "labels": labels,
+             "mask": mask}
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def split_steps(text: str, step_separator: str) -> list[str]:
+    """A generated solution split into steps the way training rows are laid out: on the separator, without
+    empty pieces (a trailing separator adds no step)."""
+    return [step for step in text.split(step_separator) if step.strip()]
+
+
+class UserError(Exception):
+    """A mistake in the user's input or flags: reported as one line, without a traceback."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model helpers: build or load, the reward head, LoRA, saving, loading, scoring.
+
+
+def build_tiny_tokenizer():
+    """A character-level tokenizer over the built-in task's alphabet (one token per character)."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token a char
+    tokenizer.add_special_tokens(TINY_SPECIALS)
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>", model_max_length=1024)
+
+
+def build_tiny_backbone(tokenizer):
+    """A 2-layer Llama backbone (no LM head), 64-wide, random init from the current seed."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=256, max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return LlamaModel(config)
+
+
+def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool):
+    """`tiny` is built here; anything else goes through AutoModel (the transformer without its LM head, so no
+    vocabulary-sized logits are ever computed) and AutoTokenizer."""
+    from transformers import AutoModel, AutoTokenizer
+
+    if name_or_path == "tiny":
+        tokenizer = build_tiny_tokenizer()
+        return build_tiny_backbone(tokenizer).to(dtype), tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        backbone = AutoModel.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
+                        f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
+    if tokenizer.pad_token_id is None:  # only padding uses it, and padding is never attended to
+        tokenizer.pad_token = tokenizer.eos_token
+    return backbone, tokenizer
+
+
+class ProcessRewardModel(torch.nn.Module):
+    """Backbone + fp32 `Linear(hidden, 1)` read at each step's label position. `.config` (saved as
+    prm_config.json) holds what scoring needs: step_separator, max_length, loss_kind, base model, LoRA or not."""
+
+    def __init__(self, backbone, hidden_size: int, tokenizer, config: dict):
+        super().__init__()
+        self.backbone = backbone
+        self.head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32)
+        self.tokenizer = tokenizer
+        self.config = config
+
+    def forward(self, input_ids, attention_mask, positions) -> torch.Tensor:
+        """input_ids, attention_mask [B, T]; positions [B, S] (label token indices) -> step logits [B, S]."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        index = positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # [B, S, H]
+        return self.head(hidden.gather(1, index).float()).squeeze(-1)  # only the S label positions reach the head
+
+
+def apply_lora(backbone, args: Args):
+    """LoRA adapters on the backbone only: the head stays outside peft and is trained in full."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules
+    target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=target_modules, task_type="FEATURE_EXTRACTION")
+    return get_peft_model(backbone, config)
+
+
+def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optional[torch.nn.Module]]:
+    """Backbone (with LoRA when --lora-r > 0) and a new head, on the CPU. Also returns a copy of the base backbone
+    when an adapter will need one saved beside it (the random-init tiny model cannot be reloaded by name)."""
+    backbone, tokenizer = load_backbone_and_tokenizer(args.model, dtype, args.trust_remote_code)
+    hidden_size = backbone.config.hidden_size
+    base_copy, where = None, "."  # where the saved PRM finds its backbone: "." = final/ itself
+    if args.lora_r > 0:
+        base_copy = copy.deepcopy(backbone) if args.model == "tiny" else None
+        where = "base" if args.model == "tiny" else (os.path.abspath(args.model) if os.path.isdir(args.model)
+                                                    else args.model)
+        backbone = apply_lora(backbone, args)
+    config = {"base_model": args.model, "backbone": where, "lora": args.lora_r > 0, "lora_r": args.lora_r,
+              "hidden_size": hidden_size, "step_separator": args.step_separator, "max_length": args.max_length,
+              "loss_kind": args.loss_kind}
+    return ProcessRewardModel(backbone, hidden_size, tokenizer, config), base_copy
+
+
+def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None) -> None:
+    """final/: the backbone (full fine-tuning) or the LoRA adapter, reward_head.safetensors, the tokenizer and
+    prm_config.json. A base that cannot be reloaded by name (the random-init tiny model) is saved under base/.
+    Written to a temporary directory, then renamed: a crash mid-write leaves any previous version intact."""
+    from safetensors.torch import save_file
+
+    temporary = path.rstrip("/") + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    prm.backbone.save_pretrained(temporary)
+    if base_backbone is not None:
+        base_backbone.save_pretrained(os.path.join(temporary, "base"))
+    prm.tokenizer.save_pretrained(temporary)
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in prm.head.state_dict().items()},
+              os.path.join(temporary, "reward_head.safetensors"))
+    with open(os.path.join(temporary, "prm_config.json"), "w") as f:
+        json.dump(prm.config, f, indent=2)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(temporary, path)
+
+
+def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False) -> ProcessRewardModel:
+    """A PRM saved by this script, in eval mode. device None = cuda when available; dtype None = bfloat16 on
+    CUDA when supported, else float32 (the head is always fp32)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel, AutoTokenizer
+
+    config_path = os.path.join(path, "prm_config.json")
+    if not os.path.isfile(config_path):
+        raise UserError(f"{path!r} is not a PRM saved by prm.py (no prm_config.json in it)")
+    with open(config_path) as f:
+        config = json.load(f)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if config["lora"]:
+        from peft import PeftModel
+
+        base = config["backbone"]
+        base = os.path.join(path, base) if os.path.isdir(os.path.join(path, base)) else base
+        backbone = AutoModel.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
+        backbone = PeftModel.from_pretrained(backbone, path)
+    else:
+        backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    prm = ProcessRewardModel(backbone, config["hidden_size"], tokenizer, config)
+    prm.head.load_state_dict(load_file(os.path.join(path, "reward_head.safetensors")))
+    return prm.to(device).eval()
+
+
+@torch.no_grad()
+def predict(prm: ProcessRewardModel, examples: list[dict], batch_size: int) -> list[list[float]]:
+    """Scores of every kept step of every example: sigmoid(logit) for bce, the raw output for mse. Examples
+    are batched by length (less padding) and the scores returned in the original order."""
+    was_training = prm.training
+    prm.eval()
+    device = prm.head.weight.device
+    pad_id = prm.tokenizer.pad_token_id if prm.tokenizer.pad_token_id is not None else 0
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
+    scores: list[list[float]] = [[] for _ in examples]
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        batch = collate([examples[i] for i in chunk], pad_id, device)
+        logits = prm(batch["input_ids"], batch["attention_mask"], batch["positions"])  # [b, S]
+        values = torch.sigmoid(logits) if prm.config["loss_kind"] == "bce" else logits
+        for row, i in enumerate(chunk):
+            scores[i] = values[row, :len(examples[i]["positions"])].tolist()
+    prm.train(was_training)
+    return scores
+
+
+def score_steps(prm: ProcessRewardModel, prompts: list[str], steps: list[list[str]],
+                batch_size: int = 32) -> list[list[float]]:
+    """Per step, the probability that the solution is still correct (sigmoid for bce; the raw output for mse),
+    tokenised by build_prm_example with the PRM's own separator and max length. Steps truncated away get no
+    score: a solution's list has one score per kept step, its first steps (empty when the prompt alone is too
+    long; aggregate_scores gives that 0.0)."""
+    examples = []
+    for prompt, solution in zip(prompts, steps, strict=True):
+        input_ids, positions = build_prm_example(prm.tokenizer, prompt, solution,
+                                                 step_separator=prm.config["step_separator"],
+                                                 max_length=prm.config["max_length"])
+        examples.append({"input_ids": input_ids, "positions": positions, "labels": None})
+    scored = [e for e in examples if e["positions"]]
+    results = iter(predict(prm, scored, batch_size))
+    return [next(results) if e["positions"] else [] for e in examples]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def lr_lambda(args: Args, total_updates: int):
+    def factor(update: int) -> float:
+        if update < args.warmup_steps:
+            return (update + 1) / args.warmup_steps
+        if args.lr_schedule == "cosine":
+            progress = (update - args.warmup_steps) / max(1, total_updates - args.warmup_steps)
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+    return factor
+
+
+def memory_mb(device) -> float:
+    """Current memory: CUDA allocator, or the process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def guess_peak_tflops(device) -> float:
+    """Dense bf16 peak of common accelerators, for MFU. Unknown devices return 0 (pass --peak-tflops)."""
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40", 181.0), ("A10", 125.0),
+                        ("4090", 165.0), ("3090", 71.0), ("V100", 125.0), ("T4", 65.0)):
+        if key in name:
+            return tflops
+    return 0.0
+
+
+def evaluate(scores: list[list[float]], labels: list[list[float]], threshold: float) -> dict:
+    """Step accuracy at 0.5, step AUROC and first-error F1 at the given threshold, over held-out solutions."""
+    flat_scores = [s for row in scores for s in row]
+    flat_labels = [y for row in labels for y in row]
+    return {"eval_step_accuracy": step_accuracy(flat_scores, flat_labels), "eval_auroc": auroc(flat_scores, flat_labels),
+            "eval_first_error_f1": first_error_f1(scores, labels, threshold)[0],
+            "eval_first_error_threshold": threshold}
+
+
+def evaluate_prm(prm, val_examples: list[dict], eval_examples: list[dict], batch_size: int) -> dict:
+    """The first-error threshold is chosen on validation rows, then every metric is taken on the eval rows."""
+    if not eval_examples:
+        return {"eval_step_accuracy": float("nan"), "eval_auroc": float("nan"),
+                "eval_first_error_f1": float("nan"), "eval_first_error_threshold": 0.5}
+    threshold = 0.5
+    if val_examples:
+        threshold = choose_threshold(predict(prm, val_examples, batch_size), [e["labels"] for e in val_examples])
+    return evaluate(predict(prm, eval_examples, batch_size), [e["labels"] for e in eval_examples], threshold)
+
+
+def write_scores(path: str, rows: list[dict], scores: list[list[float]]) -> None:
+    """The input rows with a "scores" list each (one per kept step), written atomically."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for row, row_scores in zip(rows, scores):
+            f.write(json.dumps({**row, "scores": row_scores}) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def score_file(args: Args) -> dict:
+    """--prm-path mode: score every row of --score-data-path with a saved PRM and write --scores-output."""
+    if args.score_data_path is None or args.scores_output is None:
+        raise UserError("--prm-path scores a file: give --score-data-path rows.jsonl and --scores-output out.jsonl")
+    device = None if args.device == "auto" else args.device
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    start = time.perf_counter()
+    prm = load_prm(args.prm_path, device, dtype, args.trust_remote_code)
+    rows, skipped = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
+    scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows], args.eval_batch_size)
+    write_scores(args.scores_output, rows, scores)
+    summary = {"rows": len(rows), "skipped_rows": skipped, "scored_steps": sum(len(s) for s in scores),
+               "dropped_steps": sum(len(r["completions"]) - len(s) for r, s in zip(rows, scores)),
+               "time_s": time.perf_counter() - start}
+    print0(f"scored {summary['scored_steps']} steps of {len(rows)} rows into {args.scores_output} "
+           f"({summary['dropped_steps']} steps truncated away, {skipped} rows skipped)")
+    return summary
+
+
+def train(args: Args) -> dict:
+    # ---- set-up: processes, device, dtype, seeds
+    if args.lora_r < 0:
+        raise UserError(f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
+    if not args.step_separator:
+        raise UserError("--step-separator must not be empty: each step's label sits on its separator's last token")
+    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    args.world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
+    if args.device == "auto":
+        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
+    if args.batch_size % args.world_size:
+        raise UserError(f"--batch-size {args.batch_size} must be divisible by the number of processes "
+                        f"{args.world_size}")
+    args.local_batch = args.batch_size // args.world_size
+    micro_batch = args.micro_batch_size or args.local_batch
+    if micro_batch > args.local_batch:
+        raise UserError(f"--micro-batch-size {micro_batch} is larger than the local batch of {args.local_batch} rows")
+    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
+                                             and torch.cuda.is_bf16_supported())
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    timestamp = int(time.time())
+    if distributed:  # every rank uses rank 0's clock, so the run name is the same everywhere
+        stamp = torch.tensor([timestamp], dtype=torch.long, device=device)
+        dist.broadcast(stamp, src=0)
+        timestamp = int(stamp.item())
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{timestamp}"
+    output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    seed_everything(args.seed)  # the same on every rank: identical initial weights and head
+
+    # ---- model: backbone (+ LoRA) and reward head
+    prm, base_copy = build_prm(args, dtype)
+    prm.to(device).train()
+    if args.gradient_checkpointing:
+        prm.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tokenizer, pad_id = prm.tokenizer, prm.tokenizer.pad_token_id
+
+    # ---- data: tokenised once; steps that do not fit are dropped and counted
+    skipped_rows = 0
+    if args.data_path is None:
+        train_rows, val_rows, eval_rows = builtin_task(args.seed, args.num_val_rows, args.num_eval_rows)
+    else:
+        rows, skipped_rows = load_jsonl_rows(args.data_path, skip_bad_rows=args.skip_bad_rows)
+        random.Random(args.seed).shuffle(rows)
+        num_val = min(args.num_val_rows, len(rows) // 10)  # never more than a tenth of the training data
+        val_rows, train_rows = rows[:num_val], rows[num_val:]
+        eval_rows = []
+        if args.eval_data_path:
+            eval_rows, skipped = load_jsonl_rows(args.eval_data_path, skip_bad_rows=args.skip_bad_rows)
+            eval_rows, skipped_rows = eval_rows[:args.num_eval_rows], skipped_rows + skipped
+    dropped_steps = dropped_rows = 0
+    encoded = []
+    for rows in (train_rows, val_rows, eval_rows):
+        examples, steps_lost, rows_lost = encode_rows(tokenizer, rows, args.step_separator, args.max_length)
+        encoded.append(examples)
+        dropped_steps, dropped_rows = dropped_steps + steps_lost, dropped_rows + rows_lost
+    train_examples, val_examples, eval_examples = encoded
+    if dropped_steps:
+        print0(f"note: --max-length {args.max_length} dropped {dropped_steps} steps that did not fit whole, and "
+               f"{dropped_rows} rows left with no step", enabled=is_main)
+    if not train_examples:
+        raise UserError(f"every training row was truncated away (--max-length {args.max_length}): raise "
+                        "--max-length or shorten the prompts")
+    if args.epochs is not None:
+        args.total_steps = max(1, math.ceil(args.epochs * len(train_examples) / args.batch_size))
+
+    def rows_for_step(step: int) -> list[dict]:
+        """This rank's rows of a step: a fresh seeded permutation per epoch, so any step can be rebuilt from its
+        number alone (which is all that resuming needs)."""
+        chosen = []
+        for position in range(step * args.batch_size, (step + 1) * args.batch_size):
+            epoch, index = divmod(position, len(train_examples))
+            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_examples))
+            chosen.append(train_examples[order[index]])
+        return chosen[rank::args.world_size]
+
+    # ---- optimiser, logging
+    trainable = [p for p in prm.parameters() if p.requires_grad]
+    # bf16 weights round away updates smaller than ~1/256 of the weight; the optimiser steps fp32 master
+    # copies and writes them back (LoRA adapters and the head are already fp32)
+    master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in trainable]
+    optimizer = torch.optim.AdamW(master, lr=args.learning_rate, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, args.total_steps))
+    os.makedirs(output_dir, exist_ok=True)
+    console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "eval_auroc",
+               "eval_first_error_f1": "eval_fe_f1", "step_time_s": "dt"}
+    logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
+                       wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
+                       wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main)
+    n_params = sum(p.numel() for p in prm.parameters())
+    n_trainable = sum(p.numel() for p in trainable)
+    print0(f"model {args.model}: {n_params:,} parameters ({n_trainable:,} trained), {dtype}, {device}; "
+           f"{args.world_size} process(es); {len(train_examples)} training rows, {len(val_examples)} validation, "
+           f"{len(eval_examples)} eval; {args.total_steps} steps of {args.batch_size} rows", enabled=is_main)
+
+    # what a scorer blind to step content gets: the training rate of correct steps at each step index
+    train_labels = [e["labels"] for e in train_examples]
+    baseline = {"eval_step_accuracy": float("nan"), "eval_auroc": float("nan"), "eval_first_error_f1": float("nan")}
+    if eval_examples:
+        val_threshold = choose_threshold(position_baseline(train_labels, [len(e["labels"]) for e in val_examples]),
+                                         [e["labels"] for e in val_examples]) if val_examples else 0.5
+        baseline = evaluate(position_baseline(train_labels, [len(e["labels"]) for e in eval_examples]),
+                            [e["labels"] for e in eval_examples], val_threshold)
+    eval_start = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size) if is_main else {}
+    print0("eval at step 0: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_start.items())
+           + f" (position-only baseline: auroc {baseline['eval_auroc']:.3f}, "
+           f"first_error_f1 {baseline['eval_first_error_f1']:.3f})", enabled=is_main)
+    eval_metrics = eval_start
+    step_times, step_tokens, memory_samples = [], [], []
+    bad_steps_in_a_row = skipped_updates = 0
+    run_start = time.perf_counter()
+
+    def sync_clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    for step in range(args.total_steps):
+        step_start = sync_clock()
+        # 1. this process's rows of the step; every micro-batch's loss is divided by the labelled-step count of
+        # the whole batch (all processes), so the accumulated gradient is the batch mean however it is split
+        batch = rows_for_step(step)
+        count = torch.tensor([float(sum(len(e["positions"]) for e in batch))], device=device)
+        if distributed:
+            dist.all_reduce(count)
+        total_labelled = count.item()
+
+        # 2. forward and backward over micro-batches, gradients accumulating
+        loss_sum, tokens, stat_sums = 0.0, 0, {"accuracy": 0.0, "score_mean": 0.0, "steps": 0.0}
+        for start in range(0, len(batch), micro_batch):
+            inputs = collate(batch[start:start + micro_batch], pad_id, device)
+            step_logits = prm(inputs["input_ids"], inputs["attention_mask"], inputs["positions"])  # [b, S]
+            loss, stats = prm_loss(step_logits, inputs["labels"], inputs["mask"], args.loss_kind,
+                                   total_steps=total_labelled)
+            loss.backward()
+            loss_sum += loss.item()
+            tokens += int(inputs["attention_mask"].sum())
+            steps_here = stats["steps"].item()
+            stat_sums["accuracy"] += stats["accuracy"].item() * steps_here
+            stat_sums["score_mean"] += stats["score_mean"].item() * steps_here
+            stat_sums["steps"] += steps_here
+
+        # 3. update: gradients summed over processes (each loss is already divided by the global count), clipped,
+        # applied to the fp32 masters; a non-finite loss or gradient skips the update
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+        if distributed:
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            dist.all_reduce(flat)
+            grads = list(torch.split(flat, [g.numel() for g in grads]))
+        for p, m, g in zip(trainable, master, grads):
+            m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
+        grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
+                                                   else float("inf"))
+        if math.isfinite(loss_sum) and torch.isfinite(grad_norm):
+            optimizer.step()
+            bad_steps_in_a_row = 0
+            for p, m in zip(trainable, master):
+                if m is not p:
+                    p.data.copy_(m.data)
+        else:  # a non-finite loss or gradient would poison the weights: skip this update
+            skipped_updates += 1
+            bad_steps_in_a_row += 1
+            print0(f"warning: non-finite loss or gradient at step {step}; update skipped", file=sys.stderr,
+                   enabled=is_main)
+            if bad_steps_in_a_row >= args.max_bad_steps:
+                raise RuntimeError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
+                                   "lower --learning-rate or check the labels")
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        prm.zero_grad(set_to_none=True)
+        step_time = sync_clock() - step_start
+
+        # 4. log (metrics averaged over processes), evaluate
+        step_times.append(step_time)
+        step_tokens.append(tokens)
+        memory_samples.append(memory_mb(device))
+        local = {"loss": loss_sum, "accuracy": stat_sums["accuracy"] / max(stat_sums["steps"], 1.0),
+                 "score_mean": stat_sums["score_mean"] / max(stat_sums["steps"], 1.0)}
+        if distributed:
+            keys = sorted(local)
+            values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
+            dist.all_reduce(values)
+            local = {k: v / args.world_size for k, v in zip(keys, values.tolist())}
+            local["loss"] *= args.world_size  # each process's loss is its share of the batch mean: the sum is it
+        metrics = {**local, "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
+                   "labelled_steps": total_labelled, "step_time_s": step_time, "memory_mb": memory_samples[-1]}
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and is_main:
+            eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
+            metrics.update(eval_metrics)
+        logger.log(step + 1, metrics)
+
+    # ---- final evaluation, model, scores, benchmark summary
+    total_time = time.perf_counter() - run_start
+    if is_main:
+        eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
+        print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()))
+        save_prm(os.path.join(output_dir, "final"), prm, base_copy)
+        if args.score_data_path:
+            rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
+            scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows],
+                                 args.eval_batch_size)
+            write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), rows, scores)
+    timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
+    summary = {
+        "steps": len(step_times),
+        "total_time_s": total_time,
+        "step_time_s_mean": float(np.mean(step_times[timed])) if step_times else float("nan"),
+        "tokens_per_s": sum(step_tokens[timed]) * args.world_size / max(sum(step_times[timed]), 1e-9),
+        "peak_memory_mb": peak_memory_mb(device),
+        "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
+        **{f"{key}_start": value for key, value in eval_start.items() if key != "eval_first_error_threshold"},
+        **{f"{key}_end": value for key, value in eval_metrics.items()},
+        **{f"baseline_position_{key[5:]}": value for key, value in baseline.items()},
+        "train_rows": len(train_examples),
+        "eval_rows": len(eval_examples),
+        "dropped_steps": dropped_steps,
+        "dropped_rows": dropped_rows,
+        "skipped_rows": skipped_rows,
+        "skipped_updates": skipped_updates,
+        "parameters": n_params,
+        "trainable_parameters": n_trainable,
+    }
+    if device.type == "cuda":
+        peak = args.peak_tflops or guess_peak_tflops(device)
+        # 6 FLOPs per parameter per token for forward + backward (an upper bound with LoRA's frozen weights)
+        flops = 6 * n_params * sum(step_tokens) * args.world_size
+        summary["mfu"] = flops / sum(step_times) / (peak * 1e12) if peak else float("nan")
+    logger.summary(summary, output_dir)
+    logger.close()
+    if distributed:
+        dist.destroy_process_group()
+    return summary
+
+
+def main() -> None:
+    try:
+        args = tyro.cli(Args)
+        score_file(args) if args.prm_path else train(args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,932 @@
+"""Kernel tests for grpo.py: every kernel is checked against a naive reference written here with plain Python
+loops over sequences and tokens (never by calling the kernel under test).
+
+Covers grpo_loss (every loss type, both signs of A, clip boundaries and their gradients, eps_low != eps_high,
+delta, KL with k1/k2/k3, fully masked rows, micro-batch equivalence, stats), kl_penalty, group_advantages,
+token_logprobs, filter_logits, left_pad, and the sampler/trainer log-prob alignment of generate and
+completion_logprobs on the tiny model.
+"""
+
+import copy
+import math
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grpo import (  # noqa: E402
+    build_tiny_model,
+    build_tiny_tokenizer,
+    completion_logprobs,
+    filter_logits,
+    generate,
+    group_advantages,
+    grpo_loss,
+    kl_penalty,
+    left_pad,
+    token_logprobs,
+)
+
+LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: on a shared 2-core CPU, intra-op threads only contend (a tiny-model forward pass
+    measured ~100x slower with 2 threads than with 1 under load). Restored afterwards for other test modules."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28  # deliberately different
+MAX_LEN = 9  # the dr_grpo constant (max_completion_length) used throughout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Naive references: plain Python floats and loops.
+
+
+def naive_kl(lp: float, ref: float, estimator: str = "k3") -> float:
+    x = ref - lp
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * x * x
+    return math.exp(x) - x - 1.0
+
+
+def naive_kl_grad(lp: float, ref: float, estimator: str = "k3") -> float:
+    """d KL / d lp."""
+    x = ref - lp
+    if estimator == "k1":
+        return 1.0
+    if estimator == "k2":
+        return -x
+    return 1.0 - math.exp(x)
+
+
+def naive_token(lp, olp, ref, a, *, eps_low, eps_high, kl_coef, delta, estimator):
+    """(loss, d loss / d lp) of one token: l = -min(r'*A, clip(r, 1-el, 1+eh)*A) + kl_coef*KL, r' = min(r, delta)."""
+    r = math.exp(lp - olp)
+    capped = delta is not None and r > delta
+    r_unclipped = delta if capped else r
+    r_clipped = min(max(r, 1.0 - eps_low), 1.0 + eps_high)
+    unclipped, clipped = r_unclipped * a, r_clipped * a
+    # derivative of -(term) w.r.t. lp: -a * d r / d lp = -a * r, or 0 where the term is a constant
+    grad_unclipped = 0.0 if capped else -a * r
+    grad_clipped = -a * r if (1.0 - eps_low) < r < (1.0 + eps_high) else 0.0
+    if unclipped < clipped:
+        loss, grad = -unclipped, grad_unclipped
+    elif clipped < unclipped:
+        loss, grad = -clipped, grad_clipped
+    else:  # equal: inside the clip range both terms are r*A with the same derivative
+        loss, grad = -unclipped, grad_unclipped
+    if kl_coef:
+        loss += kl_coef * naive_kl(lp, ref, estimator)
+        grad += kl_coef * naive_kl_grad(lp, ref, estimator)
+    return loss, grad
+
+
+def naive_grpo_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, eps_low=0.2, eps_high=0.2, kl_coef=0.0,
+                    delta=None, estimator="k3", max_len=None, total_sequences=None, total_tokens=None):
+    """Returns (loss, grad [B][T] of the loss w.r.t. logp) from nested loops."""
+    logp, old_logp, mask = logp.tolist(), old_logp.tolist(), mask.tolist()
+    ref_logp = ref_logp.tolist() if ref_logp is not None else None
+    adv = adv.tolist()
+    batch = len(logp)
+    n_seq = total_sequences if total_sequences is not None else batch
+    n_tok = total_tokens
+    if n_tok is None:
+        n_tok = 0.0
+        for i in range(batch):
+            for t in range(len(logp[i])):
+                n_tok += mask[i][t]
+    total = 0.0
+    grads = []
+    for i in range(batch):
+        row_sum, row_count, row_grads = 0.0, 0.0, []
+        for t in range(len(logp[i])):
+            ref = ref_logp[i][t] if ref_logp is not None else 0.0
+            loss, grad = naive_token(logp[i][t], old_logp[i][t], ref, adv[i], eps_low=eps_low, eps_high=eps_high,
+                                     kl_coef=kl_coef, delta=delta, estimator=estimator)
+            row_sum += loss * mask[i][t]
+            row_count += mask[i][t]
+            row_grads.append(grad * mask[i][t])
+        if loss_type == "grpo":
+            weight = (1.0 / row_count / n_seq) if row_count > 0 else 0.0
+        elif loss_type in ("bnpo", "dapo"):
+            weight = 1.0 / n_tok if n_tok > 0 else 0.0
+        elif loss_type == "dr_grpo":
+            weight = 1.0 / (n_seq * max_len)
+        else:
+            raise AssertionError(loss_type)
+        total += row_sum * weight
+        grads.append([g * weight for g in row_grads])
+    return total, grads
+
+
+def naive_log_softmax_row(values: list, temperature: float) -> list:
+    scaled = [v / temperature for v in values]
+    top = max(scaled)
+    log_norm = top + math.log(sum(math.exp(v - top) for v in scaled))
+    return [v - log_norm for v in scaled]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def make_batch(seed: int, batch: int = 8, length: int = MAX_LEN, dtype=torch.float64, spread: float = 0.9):
+    """Random log-probs whose ratios span inside and outside the clip range, advantages of both signs, and
+    prefix masks of different lengths (one row fully masked, one with a hole as when a row is dropped)."""
+    g = torch.Generator().manual_seed(seed)
+    old_logp = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3.0 - 0.05
+    log_ratio = (torch.rand(batch, length, generator=g, dtype=torch.float64) * 2.0 - 1.0) * spread
+    # keep ratios away from the clip and delta boundaries, where min/clamp have ties
+    ratio = log_ratio.exp()
+    for boundary in (1.0 - EPS_LOW, 1.0 + EPS_HIGH, 1.5):
+        near = (ratio - boundary).abs() < 2e-3
+        ratio = torch.where(near, ratio * 1.01, ratio)
+    logp = old_logp + ratio.log()
+    ref_logp = logp + (torch.rand(batch, length, generator=g, dtype=torch.float64) * 2.0 - 1.0) * 0.7
+    adv = torch.randn(batch, generator=g, dtype=torch.float64)
+    adv[0], adv[1] = abs(adv[0]) + 0.1, -abs(adv[1]) - 0.1  # both signs for sure
+    adv[2] = 0.0
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(torch.float64)
+    mask[3] = 0.0  # a fully masked row
+    mask[4, 1] = 0.0  # a hole
+    mask[5] = 1.0  # a full-length row
+    return [x.to(dtype) for x in (logp, old_logp, ref_logp, adv)] + [mask.to(dtype)]
+
+
+def run_kernel(logp, old_logp, ref_logp, adv, mask, **kwargs):
+    leaf = logp.detach().clone().requires_grad_(True)
+    loss, stats = grpo_loss(leaf, old_logp, ref_logp, adv, mask, **kwargs)
+    loss.backward()
+    return loss, stats, leaf.grad
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grpo_loss against the naive reference
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("kl_coef,estimator", [(0.0, "k3"), (0.1, "k3"), (0.3, "k1"), (0.2, "k2")])
+@pytest.mark.parametrize("delta", [None, 1.5])
+def test_grpo_loss_matches_naive(loss_type, kl_coef, estimator, delta):
+    logp, old_logp, ref_logp, adv, mask = make_batch(seed=11)
+    ref_arg = ref_logp if kl_coef else None  # ref_logp may be None when kl_coef is 0
+    ratio = (logp - old_logp).exp()
+    # the batch really exercises both clip sides, for both signs of A
+    assert ((ratio > 1 + EPS_HIGH) & (adv[:, None] > 0) & (mask > 0)).any()
+    assert ((ratio < 1 - EPS_LOW) & (adv[:, None] > 0) & (mask > 0)).any()
+    assert ((ratio > 1 + EPS_HIGH) & (adv[:, None] < 0) & (mask > 0)).any()
+    assert ((ratio < 1 - EPS_LOW) & (adv[:, None] < 0) & (mask > 0)).any()
+    if delta is not None:
+        assert ((ratio > delta) & (adv[:, None] < 0) & (mask > 0)).any()
+
+    loss, stats, grad = run_kernel(logp, old_logp, ref_arg, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH,
+                                   kl_coef=kl_coef, loss_type=loss_type, max_completion_length=MAX_LEN, delta=delta,
+                                   kl_estimator=estimator)
+    expected, expected_grad = naive_grpo_loss(logp, old_logp, ref_arg, adv, mask, loss_type=loss_type,
+                                              eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=kl_coef, delta=delta,
+                                              estimator=estimator, max_len=MAX_LEN)
+    assert loss.dim() == 0
+    assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=grad.dtype), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_grpo_loss_float32(loss_type):
+    logp, old_logp, ref_logp, adv, mask = make_batch(seed=5, dtype=torch.float32)
+    loss, _, grad = run_kernel(logp, old_logp, ref_logp, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH,
+                               kl_coef=0.05, loss_type=loss_type, max_completion_length=MAX_LEN)
+    expected, expected_grad = naive_grpo_loss(logp, old_logp, ref_logp, adv, mask, loss_type=loss_type,
+                                              eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=0.05, max_len=MAX_LEN)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=torch.float32), rtol=1e-4, atol=1e-6)
+
+
+def test_aggregations_by_hand():
+    """Two rows, lengths 1 and 3, ratio 1 everywhere so every token's loss is -A."""
+    logp = torch.zeros(2, 4, dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.float64)
+    # token losses: row 0: -1 (one token); row 1: +2 (three tokens)
+    kw = dict(max_completion_length=4)
+    grpo, _ = grpo_loss(logp, logp, None, adv, mask, loss_type="grpo", **kw)
+    bnpo, _ = grpo_loss(logp, logp, None, adv, mask, loss_type="bnpo", **kw)
+    dapo, _ = grpo_loss(logp, logp, None, adv, mask, loss_type="dapo", **kw)
+    dr, _ = grpo_loss(logp, logp, None, adv, mask, loss_type="dr_grpo", **kw)
+    assert grpo.item() == pytest.approx((-1.0 / 1 + 6.0 / 3) / 2)  # 0.5
+    assert bnpo.item() == pytest.approx((-1.0 + 6.0) / 4)  # 1.25
+    assert dapo.item() == pytest.approx(1.25)
+    assert dr.item() == pytest.approx((-1.0 + 6.0) / (2 * 4))  # 0.625
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Clip boundaries
+
+
+RATIOS = [0.5, 0.79, 0.81, 0.95, 1.0, 1.1, 1.27, 1.29, 1.6, 2.5]
+
+
+def clip_batch():
+    ratios = torch.tensor(RATIOS, dtype=torch.float64)
+    old_logp = torch.full((3, len(RATIOS)), -1.3, dtype=torch.float64)
+    logp = old_logp + ratios.log()[None, :]
+    adv = torch.tensor([1.5, -0.7, 0.0], dtype=torch.float64)
+    mask = torch.ones(3, len(RATIOS), dtype=torch.float64)
+    return logp, old_logp, adv, mask
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_clip_gradient_zero_exactly_where_clip_active(loss_type):
+    logp, old_logp, adv, mask = clip_batch()
+    loss, stats, grad = run_kernel(logp, old_logp, None, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH,
+                                   loss_type=loss_type, max_completion_length=MAX_LEN)
+    for t, r in enumerate(RATIOS):
+        # A > 0: clipped above 1 + eps_high, gradient everywhere else (including r < 1 - eps_low)
+        if r > 1 + EPS_HIGH:
+            assert grad[0, t].item() == 0.0, r
+        else:
+            assert grad[0, t].item() < 0.0, r  # descent raises logp of a good token
+        # A < 0: clipped below 1 - eps_low; r > 1 + eps_high still has its corrective gradient (no max here)
+        if r < 1 - EPS_LOW:
+            assert grad[1, t].item() == 0.0, r
+        else:
+            assert grad[1, t].item() > 0.0, r  # descent lowers logp of a bad token
+        assert grad[2, t].item() == 0.0  # A = 0: no policy gradient
+    # the corrective gradient for A < 0, r > 1 + eps_high is the unclipped one: d(-r*A)/dlogp / normaliser
+    expected, expected_grad = naive_grpo_loss(logp, old_logp, None, adv, mask, loss_type=loss_type,
+                                              eps_low=EPS_LOW, eps_high=EPS_HIGH, max_len=MAX_LEN)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=grad.dtype), rtol=1e-12, atol=1e-15)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    # clip fractions count exactly the tokens whose clip is active, over all masked tokens (3 rows x 10)
+    n = mask.sum().item()
+    assert stats["clip_frac_high"].item() == pytest.approx(sum(r > 1 + EPS_HIGH for r in RATIOS) / n)  # 2/30
+    assert stats["clip_frac_low"].item() == pytest.approx(sum(r < 1 - EPS_LOW for r in RATIOS) / n)  # 2/30
+
+
+def test_negative_advantage_large_ratio_value():
+    """A < 0, r = 2.5 > 1 + eps_high: l = -min(2.5*A, 1.28*A) = -2.5*A (the pessimistic, unclipped side)."""
+    old = torch.tensor([[0.0]], dtype=torch.float64)
+    logp = torch.tensor([[math.log(2.5)]], dtype=torch.float64)
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    loss, stats, grad = run_kernel(logp, old, None, adv, torch.ones(1, 1, dtype=torch.float64),
+                                   clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, loss_type="bnpo")
+    assert loss.item() == pytest.approx(2.5)
+    assert grad.item() == pytest.approx(2.5)  # d(-r*A)/dlogp = -r*A
+    assert stats["clip_frac_low"].item() == 0.0 and stats["clip_frac_high"].item() == 0.0
+
+
+def test_clip_fractions_masked_and_signed():
+    """Only masked-in tokens count, and only on the side that clips for the row's sign of A."""
+    logp, old_logp, ref_logp, adv, mask = make_batch(seed=3)
+    _, stats = grpo_loss(logp, old_logp, None, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH)
+    low = high = count = 0.0
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            r = math.exp(logp[i, t].item() - old_logp[i, t].item())
+            count += 1
+            low += adv[i].item() < 0 and r < 1 - EPS_LOW
+            high += adv[i].item() > 0 and r > 1 + EPS_HIGH
+    assert low > 0 and high > 0
+    assert stats["clip_frac_low"].item() == pytest.approx(low / count, abs=1e-12)
+    assert stats["clip_frac_high"].item() == pytest.approx(high / count, abs=1e-12)
+
+
+def test_delta_bounds_negative_advantage():
+    """INTELLECT-2 two-sided clipping: for A < 0 the loss is capped at -delta*A and has no gradient beyond it."""
+    ratios = [1.2, 1.4, 1.6, 3.0]
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    logp = torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    for adv_value in (-1.0, 1.0):
+        adv = torch.tensor([adv_value], dtype=torch.float64)
+        leaf = logp.clone().requires_grad_(True)
+        loss, _ = grpo_loss(leaf, old, None, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, delta=1.5,
+                            loss_type="bnpo")
+        loss.backward()
+        if adv_value < 0:  # token losses |A|*max(min(r, 1.5), clip(r)) = 1.2, 1.4, 1.5, 1.5
+            assert loss.item() == pytest.approx((1.2 + 1.4 + 1.5 + 1.5) / 4)
+            assert leaf.grad[0].tolist() == pytest.approx([1.2 / 4, 1.4 / 4, 0.0, 0.0])
+        else:  # delta > 1 + eps_high changes nothing for A > 0: every token is clipped at 1.28
+            assert loss.item() == pytest.approx(-1.2 / 4 - 3 * 1.28 / 4)
+            assert leaf.grad[0].tolist() == pytest.approx([-1.2 / 4, 0.0, 0.0, 0.0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KL estimators
+
+
+def test_kl_penalty_hand_values():
+    lp = torch.tensor([-1.0, -2.0, -0.5, -3.0], dtype=torch.float64)
+    ref = torch.tensor([-1.0, -1.0, -2.5, -3.5], dtype=torch.float64)
+    # x = ref - lp = 0, 1, -2, -0.5
+    k1 = kl_penalty(lp, ref, "k1").tolist()
+    k2 = kl_penalty(lp, ref, "k2").tolist()
+    k3 = kl_penalty(lp, ref, "k3").tolist()
+    assert k1 == pytest.approx([0.0, -1.0, 2.0, 0.5])
+    assert k2 == pytest.approx([0.0, 0.5, 2.0, 0.125])
+    assert k3 == pytest.approx([0.0, 0.718281828459045, 1.135335283236613, 0.106530659712633], rel=1e-12)
+    assert kl_penalty(lp, ref).tolist() == k3  # k3 is the default
+    assert k3[0] == 0.0  # logp == ref gives exactly 0
+
+
+def test_k3_nonnegative_and_precise_near_zero():
+    lp = torch.zeros(5, dtype=torch.float32)
+    x = torch.tensor([1e-7, -1e-7, 1e-4, -1e-4, 0.0], dtype=torch.float32)
+    k3 = kl_penalty(lp, lp + x, "k3")
+    assert (k3 >= 0).all()
+    # k3 ~ x^2/2 for small x; in fp32 the absolute error must stay near ulp(x) (a naive exp(x) - x - 1 in fp32
+    # is off by ~1e-7, larger than the value itself)
+    for value, xi in zip(k3.tolist(), x.tolist()):
+        assert abs(value - xi * xi / 2) < 1e-14 + 1e-3 * xi * xi / 2
+
+
+def test_kl_estimator_invalid():
+    with pytest.raises(ValueError):
+        kl_penalty(torch.zeros(2), torch.zeros(2), "k4")
+
+
+def test_kl_in_loss_hand_value():
+    """ratio 1 and A = 0: the loss is kl_coef * k3 alone."""
+    lp = torch.tensor([[-2.0, -0.5]], dtype=torch.float64)
+    ref = torch.tensor([[-1.0, -0.5]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    loss, stats = grpo_loss(lp, lp, ref, torch.zeros(1, dtype=torch.float64), mask, kl_coef=0.5, loss_type="bnpo")
+    assert loss.item() == pytest.approx(0.5 * (math.e - 2.0) / 2)
+    assert stats["kl_mean"].item() == pytest.approx((math.e - 2.0) / 2)
+
+
+def test_loss_argument_errors():
+    lp = torch.zeros(2, 3)
+    adv, mask = torch.zeros(2), torch.ones(2, 3)
+    with pytest.raises(ValueError):
+        grpo_loss(lp, lp, None, adv, mask, kl_coef=0.1)  # KL needs ref_logp
+    with pytest.raises(ValueError):
+        grpo_loss(lp, lp, None, adv, mask, loss_type="dr_grpo")  # needs max_completion_length
+    with pytest.raises(ValueError):
+        grpo_loss(lp, lp, None, adv, mask, loss_type="sum")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masking
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_fully_masked_rows_contribute_nothing(loss_type, kl_coef):
+    logp, old_logp, ref_logp, adv, mask = make_batch(seed=21, dtype=torch.float32)
+    kw = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=kl_coef, loss_type=loss_type,
+              max_completion_length=MAX_LEN)
+    loss_a, stats_a, grad_a = run_kernel(logp, old_logp, ref_logp, adv, mask, **kw)
+    # garbage (large but finite) values in the masked row and the masked tail of every row change nothing
+    g = torch.Generator().manual_seed(0)
+    garbage = lambda: torch.randn(logp.shape, generator=g) * 30.0  # noqa: E731
+    off = mask == 0
+    logp_b = torch.where(off, -garbage().abs(), logp)
+    old_b = torch.where(off, -garbage().abs(), old_logp)
+    ref_b = torch.where(off, -garbage().abs(), ref_logp)
+    adv_b = adv.clone()
+    adv_b[3] = 1e6  # row 3 is fully masked
+    loss_b, stats_b, grad_b = run_kernel(logp_b, old_b, ref_b, adv_b, mask, **kw)
+    assert torch.isfinite(loss_b) and torch.isfinite(grad_b).all()
+    assert loss_b.item() == pytest.approx(loss_a.item(), rel=1e-6, abs=1e-7)
+    assert (grad_b[off] == 0).all() and (grad_a[off] == 0).all()
+    torch.testing.assert_close(grad_b, grad_a)
+    for key in ("ratio_mean", "clip_frac_low", "clip_frac_high", "kl_mean"):
+        assert torch.isfinite(stats_b[key])
+        assert stats_b[key].item() == pytest.approx(stats_a[key].item(), rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("case", ["ratio_overflow", "kl_overflow", "old_logp_neg_inf"])
+def test_masked_positions_with_extreme_values_leak_no_nan(case):
+    """Masked-out positions must contribute nothing whatever they hold. Values whose ratio exp(logp - old_logp)
+    or k3 term exp(ref - logp) overflows fp32 at a masked position (or an old_logp of -inf there) make the
+    masked token loss inf, and the mask multiply gives inf * 0 = NaN: loss, gradient and stats become NaN."""
+    logp = torch.full((2, 3), -1.0)
+    old_logp, ref_logp = logp.clone(), logp.clone()
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # row 0 has a masked tail, row 1 is fully masked
+    adv = torch.tensor([-1.0, -1.0])
+    off = mask == 0
+    if case == "ratio_overflow":
+        old_logp[off] = -101.0  # exp(100) overflows fp32
+    elif case == "kl_overflow":
+        ref_logp[off] = 99.0
+    else:
+        old_logp[off] = float("-inf")
+    failures = []
+    for loss_type in LOSS_TYPES:
+        loss, stats, grad = run_kernel(logp, old_logp, ref_logp, adv, mask, kl_coef=0.1, loss_type=loss_type,
+                                       max_completion_length=3)
+        # the masked-in tokens have ratio 1, A = -1 and KL 0: token loss 1
+        expected = {"grpo": 1.0 / 2, "bnpo": 1.0, "dapo": 1.0, "dr_grpo": 2.0 / (2 * 3)}[loss_type]
+        if not (loss.item() == pytest.approx(expected) and torch.isfinite(grad).all() and (grad[off] == 0).all()
+                and all(torch.isfinite(stats[k]) for k in ("ratio_mean", "kl_mean", "pg_loss"))):
+            failures.append(f"{loss_type}: loss {loss.item()}, grad finite {bool(torch.isfinite(grad).all())}, "
+                            f"ratio_mean {stats['ratio_mean'].item()}, kl_mean {stats['kl_mean'].item()}")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_all_masked_batch(loss_type):
+    logp, old_logp, ref_logp, adv, _ = make_batch(seed=2, dtype=torch.float32)
+    mask = torch.zeros_like(logp)
+    loss, stats, grad = run_kernel(logp, old_logp, ref_logp, adv, mask, clip_eps_low=EPS_LOW,
+                                   clip_eps_high=EPS_HIGH, kl_coef=0.1, loss_type=loss_type,
+                                   max_completion_length=MAX_LEN)
+    assert loss.item() == 0.0
+    assert (grad == 0).all()
+    for key in ("ratio_mean", "clip_frac_low", "clip_frac_high", "kl_mean", "pg_loss"):
+        assert torch.isfinite(stats[key]), key
+    assert stats["tokens"].item() == 0
+
+
+def test_boolean_and_integer_masks():
+    logp, old_logp, ref_logp, adv, mask = make_batch(seed=8, dtype=torch.float32)
+    kw = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=0.1, loss_type="grpo")
+    expected, _ = grpo_loss(logp, old_logp, ref_logp, adv, mask, **kw)
+    for m in (mask.bool(), mask.long()):
+        loss, _ = grpo_loss(logp, old_logp, ref_logp, adv, m, **kw)
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Micro-batch equivalence
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+@pytest.mark.parametrize("split", [4, 3])
+def test_micro_batches_sum_to_whole_batch(loss_type, kl_coef, split):
+    logp, old_logp, ref_logp, adv, mask = make_batch(seed=31, batch=8)
+    kw = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=kl_coef, loss_type=loss_type,
+              max_completion_length=MAX_LEN)
+    whole, _, whole_grad = run_kernel(logp, old_logp, ref_logp, adv, mask, **kw)
+
+    leaf = logp.detach().clone().requires_grad_(True)
+    total_sequences, total_tokens = logp.shape[0], mask.sum().item()
+    summed = 0.0
+    for part in (slice(0, split), slice(split, None)):
+        loss, _ = grpo_loss(leaf[part], old_logp[part], ref_logp[part], adv[part], mask[part],
+                            total_sequences=total_sequences, total_tokens=total_tokens, **kw)
+        loss.backward()  # gradients accumulate in leaf.grad, as in gradient accumulation
+        summed += loss.item()
+    assert summed == pytest.approx(whole.item(), rel=1e-12, abs=1e-14)
+    torch.testing.assert_close(leaf.grad, whole_grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batches_parameter_gradients(loss_type):
+    """The same through a small model: accumulated parameter gradients of two halves == one batch."""
+    torch.manual_seed(0)
+    batch, length, vocab, width = 8, MAX_LEN, 7, 5
+    features = torch.randn(batch, length, width, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (batch, length))
+    _, _, ref_logp, adv, mask = make_batch(seed=41, batch=batch)
+    net = torch.nn.Linear(width, vocab).double()
+
+    def logp_of(rows):
+        return torch.log_softmax(net(features[rows]), -1).gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+
+    with torch.no_grad():  # an old policy some distance away, so that clipping is active
+        old_logp = logp_of(slice(None)) + torch.randn(batch, length, dtype=torch.float64) * 0.4
+    kw = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=0.05, loss_type=loss_type,
+              max_completion_length=MAX_LEN)
+    net.zero_grad()
+    whole, _ = grpo_loss(logp_of(slice(None)), old_logp, ref_logp, adv, mask, **kw)
+    whole.backward()
+    whole_grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    summed = 0.0
+    for part in (slice(0, 4), slice(4, None)):
+        loss, _ = grpo_loss(logp_of(part), old_logp[part], ref_logp[part], adv[part], mask[part],
+                            total_sequences=batch, total_tokens=mask.sum().item(), **kw)
+        loss.backward()
+        summed += loss.item()
+    assert summed == pytest.approx(whole.item(), rel=1e-12)
+    for p, g in zip(net.parameters(), whole_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stats
+
+
+def test_stats_are_masked_token_means():
+    logp, old_logp, ref_logp, adv, mask = make_batch(seed=13)
+    _, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH,
+                         kl_coef=0.1)
+    ratio_sum = kl_sum = pg_sum = count = 0.0
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            lp, olp, ref = logp[i, t].item(), old_logp[i, t].item(), ref_logp[i, t].item()
+            ratio_sum += math.exp(lp - olp)
+            kl_sum += naive_kl(lp, ref, "k3")
+            pg_sum += naive_token(lp, olp, ref, adv[i].item(), eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=0.0,
+                                  delta=None, estimator="k3")[0]
+            count += 1
+    assert stats["ratio_mean"].item() == pytest.approx(ratio_sum / count, rel=1e-12)
+    assert stats["kl_mean"].item() == pytest.approx(kl_sum / count, rel=1e-12)
+    assert stats["pg_loss"].item() == pytest.approx(pg_sum / count, rel=1e-10)
+    assert stats["tokens"].item() == count
+    for value in stats.values():
+        assert not value.requires_grad
+    _, no_kl = grpo_loss(logp, old_logp, None, adv, mask)
+    assert no_kl["kl_mean"].item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# group_advantages
+
+
+def test_group_advantages_hand_values():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    eps = 1e-4
+    # group 0: mean 0.25, unbiased std 0.5; group 1: mean 0.5, unbiased std sqrt(1/3)
+    s1 = math.sqrt(1.0 / 3.0)
+    expected_group = [0.75 / (0.5 + eps)] + [-0.25 / (0.5 + eps)] * 3 + [0.5 / (s1 + eps)] * 2 + [-0.5 / (s1 + eps)] * 2
+    assert group_advantages(rewards, 4, "group").tolist() == pytest.approx(expected_group, rel=1e-6)
+    # batch std of the 8 rewards: mean 3/8, unbiased variance (3*(5/8)^2 + 5*(3/8)^2)/7 = 15/56
+    sb = math.sqrt(15.0 / 56.0)
+    centred = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
+    assert group_advantages(rewards, 4, "batch").tolist() == pytest.approx([c / (sb + eps) for c in centred], rel=1e-6)
+    assert group_advantages(rewards, 4, "none").tolist() == pytest.approx(centred, abs=1e-7)
+    # group of two: rewards 3, 1 -> mean 2, unbiased std sqrt(2)
+    two = group_advantages(torch.tensor([3.0, 1.0]), 2, "group", eps=0.0).tolist()
+    assert two == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], rel=1e-6)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_loops(scale):
+    g = torch.Generator().manual_seed(4)
+    group_size, groups = 5, 4
+    rewards = torch.randn(groups * group_size, generator=g, dtype=torch.float64)
+    values = rewards.tolist()
+    batch_std = statistics.stdev(values)  # unbiased
+    expected = []
+    for k in range(groups):
+        group = values[k * group_size:(k + 1) * group_size]
+        mean = sum(group) / group_size
+        std = math.sqrt(sum((v - mean) ** 2 for v in group) / (group_size - 1))
+        for v in group:
+            if scale == "group":
+                expected.append((v - mean) / (std + 1e-4))
+            elif scale == "batch":
+                expected.append((v - mean) / (batch_std + 1e-4))
+            else:
+                expected.append(v - mean)
+    out = group_advantages(rewards, group_size, scale)
+    assert out.shape == rewards.shape
+    assert out.tolist() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_zero_variance_groups_exactly_zero(scale):
+    rewards = torch.tensor([0.7, 0.7, 0.7, 0.7, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    out = group_advantages(rewards, 4, scale)
+    assert out[:4].tolist() == [0.0] * 4 and out[8:].tolist() == [0.0] * 4
+    assert (out[4:8] != 0).all()
+    same = group_advantages(torch.full((8,), 0.3), 4, scale)  # the whole batch has zero variance
+    assert same.tolist() == [0.0] * 8
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_zero_variance_groups_exactly_zero_float32_rewards(scale):
+    """The docstring's promise, "a group whose rewards are all equal gets advantage exactly 0 under every
+    scale", for fractional float32 rewards (PRM scores, weighted reward sums) at common group sizes. The group
+    mean of equal floats is not always bit-equal to them; the residue (~1e-8 relative) is left in the advantage,
+    and the "group" scale divides it by (std ~ 1e-8) + eps ~ 1e-4, so every completion of such a group gets
+    the same spurious advantage (3e-4 for 0.3 x 8, 0.07 for 100.7 x 8)."""
+    failures = []
+    for group_size in (3, 6, 7, 8):
+        for value in (0.3, 0.9, 100.7):
+            other = torch.arange(group_size, dtype=torch.float32)  # a second group with signal (batch std)
+            rewards = torch.cat([torch.full((group_size,), value, dtype=torch.float32), other])
+            out = group_advantages(rewards, group_size, scale)[:group_size]
+            if (out != 0).any():
+                failures.append(f"{value} x {group_size}: {out[0].item():.3g}")
+    assert not failures, "equal rewards, nonzero advantage: " + "; ".join(failures)
+
+
+def test_group_advantages_invalid_scale():
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(4), 2, "median")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# token_logprobs
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_match_naive(temperature):
+    g = torch.Generator().manual_seed(7)
+    batch, length, vocab = 5, 4, 11
+    logits = torch.randn(batch, length, vocab, generator=g) * 3.0
+    targets = torch.randint(0, vocab, (batch, length), generator=g)
+    logp, entropy = token_logprobs(logits, targets, temperature, with_entropy=True)
+    assert logp.dtype == torch.float32 and logp.shape == (batch, length)
+    for i in range(batch):
+        for t in range(length):
+            row = naive_log_softmax_row(logits[i, t].tolist(), temperature)
+            assert logp[i, t].item() == pytest.approx(row[targets[i, t].item()], abs=1e-5)
+            naive_entropy = -sum(math.exp(v) * v for v in row)
+            assert entropy[i, t].item() == pytest.approx(naive_entropy, abs=1e-5)
+    plain, none = token_logprobs(logits, targets, temperature)
+    assert none is None
+    assert torch.equal(plain, logp)
+
+
+def test_token_logprobs_chunking_identical_and_bf16_in_fp32():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(7, 3, 13, generator=g)
+    targets = torch.randint(0, 13, (7, 3), generator=g)
+    full, full_entropy = token_logprobs(logits, targets, 0.7, with_entropy=True, rows_per_chunk=16)
+    for chunk in (1, 2, 3, 6):
+        part, part_entropy = token_logprobs(logits, targets, 0.7, with_entropy=True, rows_per_chunk=chunk)
+        assert torch.equal(part, full) and torch.equal(part_entropy, full_entropy)
+    half = logits.bfloat16()
+    out, _ = token_logprobs(half, targets, 0.7)
+    assert out.dtype == torch.float32
+    for i in range(7):
+        for t in range(3):
+            row = naive_log_softmax_row([float(v) for v in half[i, t].float().tolist()], 0.7)
+            assert out[i, t].item() == pytest.approx(row[targets[i, t].item()], abs=1e-5)
+
+
+def test_token_logprobs_gradient():
+    """d logp / d logits = (onehot(target) - softmax(logits / T)) / T, row by row."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 2, 6, generator=g, dtype=torch.float64).requires_grad_(True)
+    targets = torch.randint(0, 6, (3, 2), generator=g)
+    temperature = 0.7
+    logp, _ = token_logprobs(logits, targets, temperature, rows_per_chunk=2)
+    logp.sum().backward()
+    for i in range(3):
+        for t in range(2):
+            row = naive_log_softmax_row(logits[i, t].tolist(), temperature)
+            for v in range(6):
+                expected = ((v == targets[i, t].item()) - math.exp(row[v])) / temperature
+                assert logits.grad[i, t, v].item() == pytest.approx(expected, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# filter_logits, left_pad
+
+
+def naive_filter(values: list, top_k: int, top_p: float) -> set:
+    """Indices kept: the top_k largest, then the smallest prefix (by probability) whose mass reaches top_p."""
+    order = sorted(range(len(values)), key=lambda j: -values[j])
+    kept = order[:top_k] if top_k > 0 else order
+    if top_p < 1.0:
+        top = max(values[j] for j in kept)
+        weights = [math.exp(values[j] - top) for j in kept]
+        total = sum(weights)
+        cumulative, nucleus = 0.0, []
+        for j, w in zip(kept, weights):
+            if cumulative >= top_p:
+                break
+            nucleus.append(j)
+            cumulative += w / total
+        kept = nucleus
+    return set(kept)
+
+
+def test_filter_logits_hand_values():
+    probs = [0.05, 0.5, 0.15, 0.3]  # shuffled on purpose: sorted order is 1, 3, 2, 0
+    logits = torch.tensor([[math.log(p) for p in probs]])
+    def kept(k, p):
+        out = filter_logits(logits, k, p)
+        return {j for j in range(4) if out[0, j] != float("-inf")}
+    assert kept(0, 1.0) == {0, 1, 2, 3}
+    assert kept(1, 1.0) == {1}
+    assert kept(2, 1.0) == {1, 3}
+    assert kept(3, 1.0) == {1, 2, 3}
+    assert kept(0, 0.4) == {1}  # the top token alone already passes 0.4
+    assert kept(0, 0.7) == {1, 3}  # 0.5 < 0.7, 0.8 >= 0.7: the token that crosses is kept
+    assert kept(0, 0.9) == {1, 2, 3}
+    assert kept(2, 0.7) == {1, 3}  # top-k first, then top-p renormalised within {1, 3}: 0.625 < 0.7
+    assert kept(2, 0.6) == {1}  # 0.5 < 0.6 over all four tokens, but 0.5/0.8 = 0.625 >= 0.6 within the top 2
+    out = filter_logits(logits, 2, 1.0)
+    assert out[0, 1].item() == logits[0, 1].item() and out[0, 3].item() == logits[0, 3].item()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (3, 1.0), (0, 0.5), (0, 0.9), (5, 0.8), (4, 0.3)])
+def test_filter_logits_match_naive(top_k, top_p):
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(6, 12, generator=g) * 2.0
+    out = filter_logits(logits, top_k, top_p)
+    for i in range(6):
+        expected = naive_filter(logits[i].tolist(), top_k, top_p)
+        got = {j for j in range(12) if out[i, j] != float("-inf")}
+        assert got == expected, (i, got, expected)
+        for j in got:
+            assert out[i, j].item() == logits[i, j].item()
+
+
+def test_left_pad_layout():
+    ids, mask = left_pad([[5, 6, 7], [8], [9, 10]], pad_id=0, device="cpu")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert ids.dtype == torch.long and mask.dtype == torch.long
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampler / trainer log-prob alignment on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny model twice: as built (its random-init logits are nearly flat, so greedy repeats one token), and
+    re-drawn with larger weights (std 0.2), whose sharper, more varied logits make greedy paths and early EOS
+    differ from row to row."""
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer()
+    plain = build_tiny_model(tokenizer).float().eval()
+    sharp = build_tiny_model(tokenizer).float().eval()
+    with torch.no_grad():
+        for parameter in sharp.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0.0, 0.2)
+    prompts = ["(12+34)%10=", "7=", "(5+9)%10=", "1+2=", "(99+11)%10="]  # different lengths: left padding
+    prompt_lists = [tokenizer(p)["input_ids"] for p in prompts]
+    return tokenizer, {"plain": plain, "sharp": sharp}, prompt_lists
+
+
+class EosBoost(torch.nn.Module):
+    """Adds a constant to the EOS logit so that a random-init model ends some completions early. The same
+    wrapped model is used by the sampler and the training pass, so alignment is still model vs model."""
+
+    def __init__(self, model, eos_id: int, boost: float):
+        super().__init__()
+        self.model, self.eos_id, self.boost = model, eos_id, boost
+
+    def forward(self, **kwargs):
+        logits = self.model(**kwargs).logits.clone()
+        logits[..., self.eos_id] += self.boost
+        return types.SimpleNamespace(logits=logits)
+
+
+def naive_row_logits(model, ids: list) -> torch.Tensor:
+    """Full logits [len, V] of one unpadded sequence, plain forward pass without cache or padding."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def naive_expected_mask(tokens: list, eos_id: int) -> list:
+    mask, seen = [], False
+    for token in tokens:
+        mask.append(0 if seen else 1)
+        seen = seen or token == eos_id
+    return mask
+
+
+def sample(tokenizer, model, prompt_lists, seed, **kwargs):
+    ids, mask = left_pad(prompt_lists, tokenizer.pad_token_id, "cpu")
+    generator = torch.Generator().manual_seed(seed)
+    out = generate(model, ids, mask, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                   generator=generator, **kwargs)
+    return ids, mask, out
+
+
+# The sharp model's larger activations leave fp32 rounding gaps of ~1e-5 between the cached (incremental) and the
+# full forward pass; in float64 the same check is exact to fp32 rounding of the final log-softmax.
+@pytest.mark.parametrize("which,dtype,eos_boost,atol", [("plain", torch.float32, 0.5, 1e-5),
+                                                        ("sharp", torch.float32, 0.0, 3e-5),
+                                                        ("sharp", torch.float64, 0.0, 1e-6)])
+def test_sampler_logprobs_equal_training_logprobs(tiny, which, dtype, eos_boost, atol):
+    tokenizer, models, prompt_lists = tiny
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    base = models[which] if dtype == torch.float32 else copy.deepcopy(models[which]).to(dtype)
+    model = EosBoost(base, eos, eos_boost)
+    rows = prompt_lists * 2  # 10 rows, 5 prompt lengths
+    temperature, max_new = 0.7, 8
+    ids, mask, (comp, comp_mask, sampler_logp) = sample(tokenizer, model, rows, seed=3, max_new_tokens=max_new,
+                                                        temperature=temperature)
+    assert comp.shape == comp_mask.shape == sampler_logp.shape
+    assert comp.shape[0] == len(rows) and comp.shape[1] <= max_new
+    # the batch has both early EOS and rows that run to max_new_tokens, so the mask is really exercised
+    has_eos = [eos in row for row in comp.tolist()]
+    assert any(has_eos) and not all(has_eos)
+    # completion mask: 1 up to and including the first EOS, 0 after, and pad after EOS
+    for row_tokens, row_mask in zip(comp.tolist(), comp_mask.tolist()):
+        assert row_mask == naive_expected_mask(row_tokens, eos)
+        for token, m in zip(row_tokens, row_mask):
+            if m == 0:
+                assert token == pad
+    with torch.no_grad():
+        train_logp, entropy = completion_logprobs(model, ids, mask, comp, comp_mask, temperature, with_entropy=True)
+    assert train_logp.dtype == torch.float32 and torch.isfinite(train_logp[comp_mask.bool()]).all()
+    on = comp_mask.bool()
+    torch.testing.assert_close(train_logp[on], sampler_logp[on], atol=atol, rtol=0)
+    assert torch.isfinite(entropy[on]).all()
+    # temperature really applied: at T = 1 the log-probs differ
+    with torch.no_grad():
+        plain, _ = completion_logprobs(model, ids, mask, comp, comp_mask, 1.0)
+    assert (plain[on] - sampler_logp[on]).abs().max() > 1e-2
+
+    # each left-padded row == that row alone, unpadded: through completion_logprobs and through a naive loop
+    for b, prompt in enumerate(rows):
+        n = int(comp_mask[b].sum())
+        tokens = comp[b, :n].tolist()
+        alone_ids, alone_mask = left_pad([prompt], pad, "cpu")
+        with torch.no_grad():
+            alone, _ = completion_logprobs(model, alone_ids, alone_mask, comp[b:b + 1, :n],
+                                           torch.ones(1, n, dtype=torch.long), temperature)
+        torch.testing.assert_close(alone[0], train_logp[b, :n], atol=atol, rtol=0)
+        logits = naive_row_logits(model, prompt + tokens)
+        for t, token in enumerate(tokens):
+            row = naive_log_softmax_row(logits[len(prompt) - 1 + t].tolist(), temperature)
+            assert sampler_logp[b, t].item() == pytest.approx(row[token], abs=atol)
+            assert train_logp[b, t].item() == pytest.approx(row[token], abs=atol)
+
+
+def test_sampler_logprobs_full_vocab_under_top_k_top_p(tiny):
+    """top-k / top-p choose the token; the recorded log-prob is softmax(logits / T) over the full vocabulary."""
+    tokenizer, models, prompt_lists = tiny
+    model = models["sharp"]
+    top_k, top_p, temperature = 4, 0.8, 0.7
+    ids, mask, (comp, comp_mask, sampler_logp) = sample(tokenizer, model, prompt_lists * 2, seed=5,
+                                                        max_new_tokens=6, temperature=temperature, top_k=top_k,
+                                                        top_p=top_p)
+    with torch.no_grad():
+        train_logp, _ = completion_logprobs(model, ids, mask, comp, comp_mask, temperature)
+    on = comp_mask.bool()
+    torch.testing.assert_close(train_logp[on], sampler_logp[on], atol=3e-5, rtol=0)
+    # every sampled token lies in the top-k / top-p set of its position (naive filter on a plain forward pass)
+    for b, prompt in enumerate(prompt_lists * 2):
+        n = int(comp_mask[b].sum())
+        tokens = comp[b, :n].tolist()
+        logits = naive_row_logits(model, prompt + tokens)
+        for t, token in enumerate(tokens):
+            scaled = [v / temperature for v in logits[len(prompt) - 1 + t].tolist()]
+            assert token in naive_filter(scaled, top_k, top_p)
+    # the same generator seed gives the same samples
+    _, _, (again, again_mask, again_logp) = sample(tokenizer, model, prompt_lists * 2, seed=5, max_new_tokens=6,
+                                                   temperature=temperature, top_k=top_k, top_p=top_p)
+    assert torch.equal(again, comp) and torch.equal(again_mask, comp_mask)
+
+
+def naive_greedy(model, prompt: list, max_new: int, eos_id: int) -> list:
+    """Greedy decoding one token at a time, full forward each step, no cache, no padding."""
+    tokens = []
+    for _ in range(max_new):
+        logits = naive_row_logits(model, prompt + tokens)[-1].tolist()
+        best = max(range(len(logits)), key=lambda j: logits[j])
+        tokens.append(best)
+        if best == eos_id:
+            break
+    return tokens
+
+
+@pytest.mark.parametrize("which", ["plain", "sharp"])
+def test_greedy_deterministic_and_matches_naive(tiny, which):
+    tokenizer, models, prompt_lists = tiny
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model = models[which]
+    max_new = 8
+    _, _, (first, first_mask, _) = sample(tokenizer, model, prompt_lists, seed=1, max_new_tokens=max_new, greedy=True)
+    _, _, (second, second_mask, _) = sample(tokenizer, model, prompt_lists, seed=2, max_new_tokens=max_new,
+                                            greedy=True)
+    assert torch.equal(first, second) and torch.equal(first_mask, second_mask)
+    for b, prompt in enumerate(prompt_lists):
+        expected = naive_greedy(model, prompt, max_new, eos)
+        n = int(first_mask[b].sum())
+        assert first[b, :n].tolist() == expected
+        assert all(token == pad for token in first[b, n:].tolist())
+    # top_k = 1 sampling is greedy (temperature does not change the argmax)
+    _, _, (top1, top1_mask, _) = sample(tokenizer, model, prompt_lists, seed=9, max_new_tokens=max_new,
+                                        temperature=0.7, top_k=1)
+    assert torch.equal(top1, first) and torch.equal(top1_mask, first_mask)
+
+
+def test_all_rows_finish_early(tiny):
+    """When every row has emitted EOS, generation stops: T < max_new_tokens and the mask is still right."""
+    tokenizer, models, prompt_lists = tiny
+    eos = tokenizer.eos_token_id
+    model = EosBoost(models["sharp"], eos, 6.0)  # nearly every token is EOS
+    ids, mask, (comp, comp_mask, sampler_logp) = sample(tokenizer, model, prompt_lists, seed=4, max_new_tokens=20,
+                                                        temperature=0.7)
+    assert comp.shape[1] < 20
+    for row_tokens, row_mask in zip(comp.tolist(), comp_mask.tolist()):
+        assert eos in row_tokens
+        assert row_mask == naive_expected_mask(row_tokens, eos)
+    with torch.no_grad():
+        train_logp, _ = completion_logprobs(model, ids, mask, comp, comp_mask, 0.7)
+    on = comp_mask.bool()
+    torch.testing.assert_close(train_logp[on], sampler_logp[on], atol=3e-5, rtol=0)

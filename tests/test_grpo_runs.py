@@ -1,0 +1,185 @@
+"""grpo.py end to end: short CPU runs as subprocesses, as a user would launch them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--total-steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+         "--num-eval-prompts", "16"]
+
+
+def run_grpo(output_dir: Path, *flags: str, env: dict | None = None, expect_rc: int = 0, timeout: int = 300):
+    process = subprocess.run([sys.executable, "grpo.py", "--output-dir", str(output_dir), *flags], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=timeout,
+                             env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
+    assert process.returncode == expect_rc, f"rc {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-3000:]}"
+    return process
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_summary(output_dir: Path) -> dict:
+    return json.loads((output_dir / "summary.json").read_text())
+
+
+def save_tiny(path: Path) -> Path:
+    import grpo
+
+    tokenizer = grpo.build_tiny_tokenizer()
+    grpo.build_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+SUMMARY_KEYS = {"steps", "total_time_s", "step_time_s_mean", "generation_time_s", "update_time_s",
+                "generated_tokens_per_s", "trained_tokens_per_s", "peak_memory_mb", "eval_accuracy_start",
+                "eval_accuracy_end"}
+
+
+def test_default_task_few_steps(tmp_path):
+    out = tmp_path / "run"
+    process = run_grpo(out, *QUICK)
+    summary = read_summary(out)
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["steps"] == 3 and summary["peak_memory_mb"] > 0 and summary["generated_tokens_per_s"] > 0
+    metrics = read_metrics(out)
+    assert [row["step"] for row in metrics] == [1, 2, 3]
+    for key in ("reward", "accuracy", "kl_mean", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy",
+                "completion_length", "logp_gap_max", "generation_time_s", "update_time_s"):
+        assert key in metrics[0], key
+    # one update per rollout: the ratio against the rollout policy is exactly 1, nothing clips
+    assert all(row["ratio_mean"] == pytest.approx(1.0) and row["clip_frac_low"] == 0 for row in metrics)
+    # the training pass and the sampler see the same tokens with the same weights: log-probs agree
+    assert all(row["logp_gap_max"] < 1e-4 for row in metrics)
+    assert "step 3" in process.stdout and "summary" in process.stdout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(out / "final")
+    assert AutoTokenizer.from_pretrained(out / "final").eos_token == "<eos>"
+
+
+def test_full_finetune_kl_uses_frozen_copy(tmp_path):
+    out = tmp_path / "run"
+    run_grpo(out, *QUICK, "--kl-coef", "0.05")
+    kl = [row["kl_mean"] for row in read_metrics(out)]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)  # the policy starts equal to its reference
+    assert kl[-1] > 1e-6  # and moves away from the frozen copy
+
+
+def test_lora_kl_reference_is_adapter_disabled(tmp_path):
+    out = tmp_path / "run"
+    run_grpo(out, *QUICK, "--lora-r", "4", "--kl-coef", "0.05", "--learning-rate", "1e-2")
+    kl = [row["kl_mean"] for row in read_metrics(out)]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at zero: adapter on == adapter off
+    assert kl[-1] > 1e-6
+    assert (out / "final" / "adapter_config.json").exists()
+    assert not (out / "final" / "model.safetensors").exists()  # only the adapter is saved
+
+
+def test_num_iterations_2_moves_the_ratio(tmp_path):
+    out = tmp_path / "run"
+    run_grpo(out, *QUICK, "--num-iterations", "2", "--clip-eps-low", "0.001", "--clip-eps-high", "0.001")
+    metrics = read_metrics(out)
+    # stats come from the second pass, after one update: ratios leave 1 and the tiny clip range bites
+    assert any(abs(row["ratio_mean"] - 1.0) > 1e-5 for row in metrics)
+    assert any(row["clip_frac_low"] + row["clip_frac_high"] > 0 for row in metrics)
+
+
+def test_micro_batches_give_the_same_update(tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    flags = [*QUICK, "--total-steps", "1", "--loss-type", "grpo", "--kl-coef", "0.05"]
+    run_grpo(whole, *flags)
+    run_grpo(split, *flags, "--micro-batch-size", "4")
+    a, b = read_metrics(whole)[0], read_metrics(split)[0]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_saved_model_and_jsonl_with_chat_template(tmp_path):
+    model_dir = save_tiny(tmp_path / "tiny-saved")
+    rows = [{"prompt": f"({a}+{b})%10=", "answer": str((a + b) % 10)} for a in range(10, 20) for b in range(20, 24)]
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    evals = write_rows(tmp_path / "eval.jsonl", rows[:8])
+    out = tmp_path / "run"
+    process = run_grpo(out, "--model", str(model_dir), "--data-path", str(data), "--eval-data-path", str(evals),
+                       "--lora-r", "8", "--kl-coef", "0.05", "--total-steps", "2", "--prompts-per-step", "4",
+                       "--group-size", "4", "--eval-every", "0")
+    assert read_summary(out)["steps"] == 2
+    assert "tiny-saved" in process.stdout
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out / "final")
+    # the chat template is applied when the tokenizer has one, and --no-chat-template turns it off
+    import grpo
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    templated = grpo.encode_prompts(tokenizer, ["(1+2)%10="], True, 64)[0]
+    plain = grpo.encode_prompts(tokenizer, ["(1+2)%10="], False, 64)[0]
+    assert tokenizer.decode(templated) == "<|user|>(1+2)%10=<|assistant|>"
+    assert tokenizer.decode(plain) == "<bos>(1+2)%10="
+    run_grpo(tmp_path / "plain", "--model", str(model_dir), "--data-path", str(data), "--no-chat-template",
+             "--total-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0")
+
+
+def test_track_with_wandb_offline(tmp_path):
+    out = tmp_path / "run"
+    run_grpo(out, *QUICK, "--track", env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, "wandb wrote no offline run"
+
+
+def test_bfloat16_on_cpu(tmp_path):
+    out = tmp_path / "run"
+    process = run_grpo(out, *QUICK, "--dtype", "bfloat16")
+    assert "torch.bfloat16" in process.stdout
+    assert all(row["loss"] == row["loss"] for row in read_metrics(out))  # no NaN
+
+
+def test_invalid_jsonl_names_the_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+    process = run_grpo(tmp_path / "run", "--data-path", str(data), expect_rc=2)
+    assert f"{data}:2: invalid JSON" in process.stderr
+    assert "Traceback" not in process.stderr
+
+
+def test_import_has_no_side_effects(tmp_path):
+    process = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import grpo"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert process.returncode == 0 and process.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_documents_every_flag():
+    process = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=120)
+    assert process.returncode == 0
+    for flag in ("--model", "--data-path", "--output-dir", "--seed", "--total-steps", "--prompts-per-step",
+                 "--group-size", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--learning-rate",
+                 "--kl-coef", "--clip-eps-low", "--clip-eps-high", "--loss-type", "--scale-rewards",
+                 "--num-iterations", "--micro-batch-size", "--lora-r", "--dtype", "--gradient-checkpointing",
+                 "--eval-every", "--save-every", "--track"):
+        assert flag in process.stdout, flag
+
+
+@pytest.mark.slow
+def test_default_run_learns_the_task(tmp_path):
+    out = tmp_path / "run"
+    run_grpo(out, timeout=600)
+    summary = read_summary(out)
+    assert summary["eval_accuracy_start"] <= 0.3
+    assert summary["eval_accuracy_end"] >= 0.9
