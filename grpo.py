@@ -92,13 +92,13 @@ class Args:
     """comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear"""
 
     # Rollout and reward
-    total_steps: int = 200
+    total_steps: int = 400
     """number of training steps (one rollout batch each)"""
     prompts_per_step: int = 16
     """prompts per step, over all processes"""
     group_size: int = 8
     """completions sampled per prompt (the group GRPO standardises rewards in)"""
-    max_new_tokens: int = 4
+    max_new_tokens: int = 2
     """maximum completion length in tokens"""
     temperature: float = 1.0
     """sampling temperature (training log-probs use the same temperature)"""
@@ -110,7 +110,7 @@ class Args:
     """leave completions that hit max_new_tokens without EOS out of the loss (DAPO's overlong filtering)"""
     answer_reward_weight: float = 1.0
     """weight of the answer-match reward (1 when the final number equals the answer)"""
-    format_reward_weight: float = 0.0
+    format_reward_weight: float = 0.2
     """weight of the format reward (1 when the completion states its answer as a bare number, `#### n` or \\boxed{n})"""
     prm_path: Optional[str] = None
     """a PRM saved by prm.py: its step scores become a reward (imports prm.py only when given)"""
@@ -141,7 +141,7 @@ class Args:
     """optional upper bound on the unclipped ratio (two-sided clipping, INTELLECT-2); None = off"""
 
     # Optimisation
-    learning_rate: float = 2e-3
+    learning_rate: float = 3e-4
     """AdamW learning rate (1e-6 to 1e-5 is typical for full fine-tuning of real models, 1e-5 to 1e-4 for LoRA)"""
     num_iterations: int = 1
     """optimiser updates per rollout batch (ratios are taken against the rollout policy)"""
@@ -326,9 +326,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 # ---------------------------------------------------------------------------------------------------------------
 # Task and data: the built-in task, JSONL prompts, rewards.
 
-# The built-in task: the last digit of a sum of two 2-digit numbers, e.g. "(37+45)%10=" -> "2". Its answers are
-# checked exactly, a constant answer scores about 0.1, and every held-out prompt is a pair of numbers never seen
-# in training, so the policy must learn to read the units digits rather than memorise prompts.
+# The built-in task: the last digit of N + 7 for a 3-digit N, e.g. "(358+7)%10=" -> "5". Its answers are checked
+# exactly, a constant answer scores 0.1, and every held-out prompt is a number never seen in training, so the
+# policy must learn to find N's units digit (a fixed offset back) and map it, rather than memorise prompts.
+# (Two-operand versions such as (a+b)%10 need a 100-entry lookup that this tiny model does not find by RL
+# within a few minutes: the policy collapses on a constant answer first.)
 TINY_CHARS = list("0123456789+-*/%()= ")
 TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 TINY_CHAT_TEMPLATE = (
@@ -338,8 +340,8 @@ TINY_CHAT_TEMPLATE = (
 
 
 def builtin_task(seed: int, num_eval: int) -> tuple[list[dict], list[dict]]:
-    """All (a, b) pairs of 2-digit numbers, split into train and a held-out eval set that depends on the seed."""
-    rows = [{"prompt": f"({a}+{b})%10=", "answer": str((a + b) % 10)} for a in range(10, 100) for b in range(10, 100)]
+    """All 900 prompts, split into train rows and `num_eval` held-out rows by a seeded shuffle."""
+    rows = [{"prompt": f"({n}+7)%10=", "answer": str((n + 7) % 10)} for n in range(100, 1000)]
     random.Random(seed).shuffle(rows)
     return rows[num_eval:], rows[:num_eval]
 
@@ -406,11 +408,14 @@ def answer_reward(completion: str, answer: str) -> float:
     return float(stated.strip() == answer.strip())
 
 
+_CANONICAL_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
+
+
 def format_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion states its answer in a form answer_reward reads unambiguously: a bare number,
-    or `#### n`, or \\boxed{n}."""
+    """1.0 when the completion states its answer cleanly: nothing but a number written canonically (no leading
+    zeros: otherwise "07" games it), or a text that ends with `#### n` or with \\boxed{n}."""
     text = completion.strip()
-    if _NUMBER.fullmatch(text) or re.search(r"####\s*-?\d", text) or re.search(r"\\boxed\{[^{}]+\}", text):
+    if _CANONICAL_NUMBER.fullmatch(text) or re.search(r"####\s*-?\d[\d,.]*$", text) or re.search(r"\\boxed\{[^{}]+\}$", text):
         return 1.0
     return 0.0
 
@@ -594,31 +599,40 @@ def apply_lora(model, args: Args):
 # Training
 
 
-def compute_rewards(completions: list[str], answers: list[str], reward_fns: list[tuple[str, Callable, float]],
-                    on_error: str) -> tuple[torch.Tensor, dict]:
-    """Weighted sum of reward functions per completion. A function that raises or returns a non-finite value is
-    reported with the sample index: raised as an error, or (on_error="skip") that sample's reward becomes NaN."""
+def compute_rewards(prompts: list[str], completions: list[str], answers: list[str],
+                    reward_fns: list[tuple[str, Callable, float]], on_error: str) -> tuple[torch.Tensor, dict]:
+    """Weighted sum of the reward functions for each completion. A per-sample function takes (completion, answer);
+    the PRM reward (name "prm") takes the whole lists (prompts, completions), to score them in batches. A value
+    that raised or is not finite is reported with the sample index: raised as an error, or (on_error="skip")
+    that sample's reward becomes NaN."""
     totals = torch.zeros(len(completions), dtype=torch.float32)
     per_fn = {}
     for name, fn, weight in reward_fns:
-        values = []
-        for index, (completion, answer) in enumerate(zip(completions, answers)):
-            try:
-                value = float(fn(completion, answer))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned {value}")
-            except Exception as error:
-                message = (f"reward {name} failed on sample {index} (prompt {index}'s completion {completion!r}): "
-                           f"{type(error).__name__}: {error}")
-                if on_error == "raise":
-                    raise UserError(message + " (use --reward-errors skip to drop such samples instead)") from None
-                print0("warning: " + message, file=sys.stderr)
-                value = float("nan")
-            values.append(value)
-        values = torch.tensor(values, dtype=torch.float32)
-        per_fn[name] = values
-        totals += weight * values
+        if name == "prm":
+            values = [float(v) for v in fn(prompts, completions)]
+        else:
+            values = []
+            for index, (completion, answer) in enumerate(zip(completions, answers)):
+                try:
+                    values.append(float(fn(completion, answer)))
+                except Exception as error:
+                    values.append(_reward_failure(name, index, completion, f"{type(error).__name__}: {error}",
+                                                  on_error))
+        for index, value in enumerate(values):
+            if not math.isfinite(value):
+                values[index] = _reward_failure(name, index, completions[index], f"returned {value}", on_error)
+        per_fn[name] = torch.tensor(values, dtype=torch.float32)
+        totals += weight * per_fn[name]
     return totals, per_fn
+
+
+def _reward_failure(name: str, index: int, completion: str, problem: str, on_error: str) -> float:
+    message = f"reward {name} failed on sample {index} (completion {completion!r}): {problem}"
+    if on_error == "raise":
+        raise UserError(message + "; fix the reward function, or pass --reward-errors skip to leave such "
+                        "samples out of the step")
+    print0("warning: " + message, file=sys.stderr)
+    return float("nan")
 
 
 def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
@@ -627,6 +641,19 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
         fns.append(("answer", answer_reward, args.answer_reward_weight))
     if args.format_reward_weight:
         fns.append(("format", format_reward, args.format_reward_weight))
+    if args.prm_path is not None:
+        import prm  # only imported when a PRM is asked for
+
+        process_reward_model = prm.load_prm(args.prm_path, device=device)
+        separator = args.prm_step_separator or process_reward_model.config["step_separator"]
+
+        def prm_reward(prompts: list[str], completions: list[str]) -> list[float]:
+            """Split each completion into steps as prm.py's training rows are, score every step, aggregate."""
+            steps = [prm.split_steps(completion, separator) or [completion] for completion in completions]
+            scores = prm.score_steps(process_reward_model, prompts, steps)
+            return [prm.aggregate_scores(step_scores, args.prm_aggregate) for step_scores in scores]
+
+        fns.append(("prm", prm_reward, args.prm_weight))
     if not fns:
         raise UserError("every reward weight is 0: give --answer-reward-weight, --format-reward-weight or --prm-path")
     return fns
@@ -668,13 +695,13 @@ def guess_peak_tflops(device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows, args: Args, device) -> float:
-    """Greedy accuracy (answer reward == 1) on held-out rows."""
+def evaluate(model, tokenizer, rows, args: Args, device) -> tuple[float, list[str]]:
+    """Greedy accuracy (answer reward == 1) on held-out rows, and the first few completions to look at."""
     if not rows:
-        return float("nan")
+        return float("nan"), []
     was_training = model.training
     model.eval()
-    correct = 0.0
+    correct, samples = 0.0, []
     for start in range(0, len(rows), args.eval_batch_size):
         batch = rows[start:start + args.eval_batch_size]
         ids, mask = left_pad(encode_prompts(tokenizer, [r["prompt"] for r in batch], args.chat_template,
@@ -683,8 +710,9 @@ def evaluate(model, tokenizer, rows, args: Args, device) -> float:
                                         eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=True)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         correct += sum(answer_reward(t, r["answer"]) for t, r in zip(texts, batch))
+        samples += [f"{r['prompt']!r} -> {t!r}" for t, r in zip(texts, batch)][:3 - len(samples)]
     model.train(was_training)
-    return correct / len(rows)
+    return correct / len(rows), samples
 
 
 def rng_state(generator: torch.Generator) -> dict:
@@ -841,9 +869,15 @@ def train(args: Args) -> dict:
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                 "rng": rng_state(sampler)})
 
-    eval_accuracy_start = evaluate(model, tokenizer, eval_rows, args, device) if is_main else float("nan")
-    print0(f"eval accuracy at step {start_step}: {eval_accuracy_start:.3f}", enabled=is_main)
-    eval_accuracy = eval_accuracy_start
+    def run_eval(step: int) -> float:
+        """Greedy held-out accuracy on rank 0 (other ranks wait at their next collective)."""
+        if not is_main:
+            return float("nan")
+        accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device)
+        print0(f"eval accuracy at step {step}: {accuracy:.3f}" + (f"  (e.g. {'; '.join(samples)})" if samples else ""))
+        return accuracy
+
+    eval_accuracy_start = eval_accuracy = run_eval(start_step)
     timings = {"generation": 0.0, "reference": 0.0, "reward": 0.0, "update": 0.0}
     step_times, memory_samples = [], []
     generated_tokens = trained_tokens = 0
@@ -879,7 +913,9 @@ def train(args: Args) -> dict:
         # 2. rewards, computed on the decoded text (EOS and padding removed)
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         answers = [r["answer"] for r in rows for _ in range(args.group_size)]
-        rewards, rewards_per_fn = compute_rewards(completions, answers, reward_fns, args.reward_errors)
+        prompt_texts = [r["prompt"] for r in rows for _ in range(args.group_size)]
+        rewards, rewards_per_fn = compute_rewards(prompt_texts, completions, answers, reward_fns,
+                                                  args.reward_errors)
         t_rewarded = sync_clock()
         timings["reward"] += t_rewarded - t_generated
 
@@ -1007,9 +1043,7 @@ def train(args: Args) -> dict:
                    "reference_time_s": t_referenced - t_rewarded, "update_time_s": t_updated - t_referenced,
                    "memory_mb": memory_samples[-1]}
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
-            if is_main:
-                eval_accuracy = evaluate(model, tokenizer, eval_rows, args, device)
-            metrics["eval_accuracy"] = eval_accuracy
+            eval_accuracy = metrics["eval_accuracy"] = run_eval(step + 1)
         logger.log(step + 1, metrics)
         interrupted = bool(stop_signal)
         if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
@@ -1023,8 +1057,8 @@ def train(args: Args) -> dict:
     total_time = time.perf_counter() - run_start
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
+    eval_accuracy = run_eval(start_step + len(step_times))
     if is_main:
-        eval_accuracy = evaluate(model, tokenizer, eval_rows, args, device)
         save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None)
     steps_done = len(step_times)
     timed = step_times[1:] or step_times  # the first step pays for warm-up (allocations, kernel selection)

@@ -31,6 +31,7 @@ From Python: `prm = load_prm("runs/qwen-prm/final"); score_steps(prm, prompts, s
 """
 
 import copy
+import functools
 import json
 import math
 import os
@@ -103,7 +104,7 @@ class Args:
     """bce: binary cross-entropy with logits (hard or soft labels); mse: squared error of the raw head output"""
 
     # Optimisation
-    total_steps: int = 400
+    total_steps: int = 500
     """number of optimiser steps (ignored when --epochs is given)"""
     epochs: Optional[float] = None
     """train for this many passes over the training rows instead of --total-steps"""
@@ -121,7 +122,7 @@ class Args:
     """AdamW betas"""
     warmup_steps: int = 20
     """linear learning-rate warm-up, in optimiser steps"""
-    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    lr_schedule: Literal["constant", "cosine"] = "constant"
     """learning rate after warm-up"""
     max_bad_steps: int = 3
     """stop after this many consecutive steps with a non-finite loss or gradient (each one is skipped)"""
@@ -173,7 +174,9 @@ def prm_loss(step_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
     to the loss (and gradient) of the whole batch. Computed in fp32 whatever the input dtype.
     stats (detached, over this part): accuracy (score >= 0.5 agrees with label >= 0.5), score_mean, steps.
     """
-    logits, labels, mask = step_logits.float(), labels.float(), mask.bool()
+    mask = mask.bool()
+    # padded slots are zeroed before any arithmetic: whatever they hold (even NaN) gets no loss and no gradient
+    logits, labels = step_logits.float().masked_fill(~mask, 0.0), labels.float().masked_fill(~mask, 0.0)
     if kind == "bce":
         per_step = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")  # [B, S]
         scores = torch.sigmoid(logits)
@@ -183,7 +186,7 @@ def prm_loss(step_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
     else:
         raise ValueError(f"kind must be bce or mse, got {kind!r}")
     count = total_steps if total_steps is not None else mask.sum().item()
-    loss = per_step.masked_fill(~mask, 0.0).sum() / max(count, 1.0)  # masked_fill: padding can never leak a NaN
+    loss = per_step.masked_fill(~mask, 0.0).sum() / max(count, 1.0)
     with torch.no_grad():
         local = mask.sum().clamp(min=1)
         agree = (scores >= 0.5) == (labels >= 0.5)
@@ -267,41 +270,35 @@ def position_baseline(train_labels: list, lengths: list[int]) -> list[list[float
 def aggregate_scores(scores: list[float], how: str) -> float:
     """One number per solution from its step scores: min (Math-Shepherd), prod (Lightman), last or mean.
     A solution with no scored step (e.g. all truncated away) gets 0.0, the score of a surely wrong step."""
-    if how not in ("min", "prod", "last", "mean"):
+    reducers = {"min": np.min, "prod": np.prod, "last": lambda values: values[-1], "mean": np.mean}
+    if how not in reducers:
         raise ValueError(f"how must be min, prod, last or mean, got {how!r}")
-    if not scores:
-        return 0.0
-    if how == "min":
-        return float(min(scores))
-    if how == "prod":
-        return float(np.prod(scores))
-    if how == "last":
-        return float(scores[-1])
-    return float(np.mean(scores))
+    return float(reducers[how](scores)) if len(scores) else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Task and data: the built-in task, JSONL rows, tokenisation, collation.
 
-# The built-in task: a chain of single-digit steps, each restating the previous result and applying a small
-# change. An injected error restates a wrong value (the step's own arithmetic stays right, and later steps carry
-# on consistently from it), so checking a step means comparing its first digit with the previous step's last:
-# a copy-and-compare a small transformer learns in a minute, and that step position alone cannot predict.
-#     prompt "start 7\n"  completions ["7+2=9", "9-3=6", "4+1=5", "5+3=8"]  labels [1, 1, 0, 0]
+# The built-in task: a chain of steps over the values 0..4, each restating the previous result and applying a small
+# change. An injected error restates a wrong value (the step's own arithmetic stays right, and later steps carry on
+# consistently from it), so checking a step means comparing its first digit with the previous step's last, and a
+# later step is wrong only through an earlier one: a copy-and-compare a small transformer learns in a minute, where
+# step position alone predicts little. Most rows (p_error) hold an error, so every batch has mistakes to learn from.
+#     prompt "start 3\n"  completions ["3+1=4", "4-2=2", "1+3=4", "4-1=3"]  labels [1, 1, 0, 0]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=%()., \n")
 TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
-def make_solution(rng: random.Random, min_steps: int = 3, max_steps: int = 6, p_error: float = 0.5) -> dict:
+def make_solution(rng: random.Random, min_steps: int = 3, max_steps: int = 6, p_error: float = 0.8) -> dict:
     """One built-in row: with probability p_error one step (uniform) restates a wrong value."""
     num_steps = rng.randint(min_steps, max_steps)
-    value = rng.randint(0, 9)
+    value = rng.randint(0, 4)
     prompt = f"start {value}\n"
     error_at = rng.randrange(num_steps) if rng.random() < p_error else num_steps
     steps = []
     for k in range(num_steps):
-        stated = rng.choice([d for d in range(10) if d != value]) if k == error_at else value
-        change = rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if 0 <= stated + d <= 9])
+        stated = rng.choice([v for v in range(5) if v != value]) if k == error_at else value
+        change = rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if 0 <= stated + d <= 4])
         value = stated + change
         steps.append(f"{stated}{'+' if change > 0 else '-'}{abs(change)}={value}")
     return {"prompt": prompt, "completions": steps, "labels": [float(k < error_at) for k in range(num_steps)]}
@@ -403,10 +400,10 @@ def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separato
 
 
 def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int) -> tuple[list[dict], int, int]:
-    """Examples {input_ids, positions, labels (of the kept steps), row} for rows that keep at least one step,
-    plus the numbers of dropped steps and dropped rows."""
+    """Examples {input_ids, positions, labels (of the kept steps)} for the rows that keep at least one step, and
+    the numbers of dropped steps and dropped rows."""
     examples, dropped_steps, dropped_rows = [], 0, 0
-    for index, row in enumerate(rows):
+    for row in rows:
         input_ids, positions = build_prm_example(tokenizer, row["prompt"], row["completions"],
                                                  step_separator=step_separator, max_length=max_length)
         dropped_steps += len(row["completions"]) - len(positions)
@@ -414,7 +411,7 @@ def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: in
             dropped_rows += 1
             continue
         labels = row["labels"][:len(positions)] if "labels" in row else None
-        examples.append({"input_ids": input_ids, "positions": positions, "labels": labels, "row": index})
+        examples.append({"input_ids": input_ids, "positions": positions, "labels": labels})
     return examples, dropped_steps, dropped_rows
 
 
@@ -469,11 +466,12 @@ def build_tiny_tokenizer():
 
 
 def build_tiny_backbone(tokenizer):
-    """A 2-layer Llama backbone (no LM head), 64-wide, random init from the current seed."""
+    """A 3-layer Llama backbone (no LM head), 64-wide (about 0.2M parameters), random init from the current seed.
+    The third layer is what makes the built-in task learn reliably within a few hundred steps."""
     from transformers import LlamaConfig, LlamaModel
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, intermediate_size=256, max_position_embeddings=1024,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -709,8 +707,8 @@ def score_file(args: Args) -> dict:
     device = None if args.device == "auto" else args.device
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     start = time.perf_counter()
-    prm = load_prm(args.prm_path, device, dtype, args.trust_remote_code)
     rows, skipped = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
+    prm = load_prm(args.prm_path, device, dtype, args.trust_remote_code)
     scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows], args.eval_batch_size)
     write_scores(args.scores_output, rows, scores)
     summary = {"rows": len(rows), "skipped_rows": skipped, "scored_steps": sum(len(s) for s in scores),
@@ -760,14 +758,7 @@ def train(args: Args) -> dict:
     output_dir = args.output_dir or os.path.join("runs", args.run_name)
     seed_everything(args.seed)  # the same on every rank: identical initial weights and head
 
-    # ---- model: backbone (+ LoRA) and reward head
-    prm, base_copy = build_prm(args, dtype)
-    prm.to(device).train()
-    if args.gradient_checkpointing:
-        prm.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    tokenizer, pad_id = prm.tokenizer, prm.tokenizer.pad_token_id
-
-    # ---- data: tokenised once; steps that do not fit are dropped and counted
+    # ---- data rows, checked before any model is loaded (a bad line fails fast)
     skipped_rows = 0
     if args.data_path is None:
         train_rows, val_rows, eval_rows = builtin_task(args.seed, args.num_val_rows, args.num_eval_rows)
@@ -780,6 +771,18 @@ def train(args: Args) -> dict:
         if args.eval_data_path:
             eval_rows, skipped = load_jsonl_rows(args.eval_data_path, skip_bad_rows=args.skip_bad_rows)
             eval_rows, skipped_rows = eval_rows[:args.num_eval_rows], skipped_rows + skipped
+    score_rows = []
+    if args.score_data_path:  # scored at the end, with the final model
+        score_rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
+
+    # ---- model: backbone (+ LoRA) and reward head
+    prm, base_copy = build_prm(args, dtype)
+    prm.to(device).train()
+    if args.gradient_checkpointing:
+        prm.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tokenizer, pad_id = prm.tokenizer, prm.tokenizer.pad_token_id
+
+    # ---- tokenisation, once; steps that do not fit are dropped and counted
     dropped_steps = dropped_rows = 0
     encoded = []
     for rows in (train_rows, val_rows, eval_rows):
@@ -796,14 +799,15 @@ def train(args: Args) -> dict:
     if args.epochs is not None:
         args.total_steps = max(1, math.ceil(args.epochs * len(train_examples) / args.batch_size))
 
+    @functools.lru_cache(maxsize=2)
+    def epoch_order(epoch: int) -> np.ndarray:
+        return np.random.default_rng([args.seed, epoch]).permutation(len(train_examples))
+
     def rows_for_step(step: int) -> list[dict]:
         """This rank's rows of a step: a fresh seeded permutation per epoch, so any step can be rebuilt from its
         number alone (which is all that resuming needs)."""
-        chosen = []
-        for position in range(step * args.batch_size, (step + 1) * args.batch_size):
-            epoch, index = divmod(position, len(train_examples))
-            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_examples))
-            chosen.append(train_examples[order[index]])
+        positions = range(step * args.batch_size, (step + 1) * args.batch_size)
+        chosen = [train_examples[epoch_order(p // len(train_examples))[p % len(train_examples)]] for p in positions]
         return chosen[rank::args.world_size]
 
     # ---- optimiser, logging
@@ -928,11 +932,10 @@ def train(args: Args) -> dict:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
         print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()))
         save_prm(os.path.join(output_dir, "final"), prm, base_copy)
-        if args.score_data_path:
-            rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
-            scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows],
+        if score_rows:
+            scores = score_steps(prm, [r["prompt"] for r in score_rows], [r["completions"] for r in score_rows],
                                  args.eval_batch_size)
-            write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), rows, scores)
+            write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     summary = {
         "steps": len(step_times),

@@ -1,0 +1,495 @@
+"""prm.py: the loss kernel, tokenisation and metrics in-process; training, saving and scoring end to end as
+subprocesses, as a user would launch them."""
+
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import prm
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--total-steps", "3", "--batch-size", "8", "--eval-every", "2", "--num-eval-rows", "40",
+         "--num-val-rows", "20"]
+SUMMARY_KEYS = {"steps", "total_time_s", "step_time_s_mean", "tokens_per_s", "peak_memory_mb",
+                "eval_step_accuracy_start", "eval_step_accuracy_end", "eval_auroc_start", "eval_auroc_end",
+                "eval_first_error_f1_start", "eval_first_error_f1_end", "dropped_steps", "dropped_rows"}
+
+
+def run_prm(*flags: str, expect_rc: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
+    process = subprocess.run([sys.executable, "prm.py", *flags], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=timeout, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert process.returncode == expect_rc, f"rc {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-3000:]}"
+    return process
+
+
+def read_summary(output_dir: Path) -> dict:
+    return json.loads((output_dir / "summary.json").read_text())
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_rows(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def builtin_rows(count: int, seed: int = 7) -> list[dict]:
+    rng = random.Random(seed)
+    return [prm.make_solution(rng) for _ in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prm_loss
+
+
+def naive_loss(logits, labels, mask, kind):
+    total, count = 0.0, 0
+    for i in range(logits.shape[0]):
+        for j in range(logits.shape[1]):
+            if mask[i, j]:
+                z, y = float(logits[i, j]), float(labels[i, j])
+                if kind == "bce":
+                    p = 1 / (1 + math.exp(-z))
+                    total += -(y * math.log(p) + (1 - y) * math.log(1 - p))
+                else:
+                    total += (z - y) ** 2
+                count += 1
+    return total / max(count, 1)
+
+
+@pytest.mark.parametrize("kind", ["bce", "mse"])
+def test_prm_loss_matches_naive_reference_with_soft_labels_masks_and_an_empty_row(kind):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5) * 3
+    labels = torch.tensor([[1, 1, 0, 0, 0], [0.3, 0.9, 0.5, 0, 0], [0, 0, 0, 0, 0], [1, 0.25, 0, 1, 0.7]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    loss, stats = prm.prm_loss(logits, labels, mask, kind)
+    assert loss.item() == pytest.approx(naive_loss(logits, labels, mask, kind), rel=1e-5)
+    assert stats["steps"].item() == 11
+    # the empty row (row 2) changes nothing: the loss is the same without it
+    keep = [0, 1, 3]
+    assert prm.prm_loss(logits[keep], labels[keep], mask[keep], kind)[0].item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_prm_loss_stats_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [-3.0, 0.0, 0.0]])  # sigmoid: .88 .27 .62 | .05 (.5 .5 padding)
+    labels = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    _, stats = prm.prm_loss(logits, labels, mask, "bce")
+    assert stats["accuracy"].item() == pytest.approx(2 / 4)  # right: step 0 and row 1; wrong: -1.0 and 0.5
+    expected_mean = (torch.sigmoid(torch.tensor([2.0, -1.0, 0.5, -3.0]))).mean().item()
+    assert stats["score_mean"].item() == pytest.approx(expected_mean, rel=1e-6)
+    _, stats = prm.prm_loss(logits, labels, mask, "mse")  # the raw output is the score: 2.0 >= .5, -1 < .5 ...
+    assert stats["accuracy"].item() == pytest.approx(2 / 4)
+
+
+def test_prm_loss_micro_batches_with_total_steps_sum_to_the_whole_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 4, requires_grad=True)
+    labels = torch.rand(6, 4)
+    mask = torch.rand(6, 4) > 0.3
+    whole, _ = prm.prm_loss(logits, labels, mask, "bce")
+    (whole_grad,) = torch.autograd.grad(whole, logits)
+    total = mask.sum().item()
+    parts = [prm.prm_loss(logits[s], labels[s], mask[s], "bce", total_steps=total)[0]
+             for s in (slice(0, 2), slice(2, 3), slice(3, 6))]
+    summed = sum(parts)
+    (parts_grad,) = torch.autograd.grad(summed, logits)
+    assert summed.item() == pytest.approx(whole.item(), rel=1e-6)
+    torch.testing.assert_close(parts_grad, whole_grad)
+
+
+def test_prm_loss_all_empty_padding_garbage_and_bad_kind():
+    logits = torch.tensor([[float("nan"), float("inf")]], requires_grad=True)  # padding may hold anything
+    loss, stats = prm.prm_loss(logits, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.bool))
+    assert loss.item() == 0.0 and stats["steps"].item() == 0
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="bce or mse"):
+        prm.prm_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), "hinge")
+
+
+def test_prm_loss_is_fp32_for_bf16_logits():
+    logits = torch.randn(2, 3).to(torch.bfloat16)
+    loss, _ = prm.prm_loss(logits, torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    assert loss.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# build_prm_example
+
+
+def test_build_prm_example_with_the_builtin_tokenizer():
+    tokenizer = prm.build_tiny_tokenizer()
+    prompt, steps = "start 7\n", ["7+2=9", "9-3=6"]
+    ids, positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n", max_length=100)
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 1 + 8 + 6 + 6  # one token per character
+    assert positions == [14, 20]
+    assert [tokenizer.convert_ids_to_tokens(ids[p]) for p in positions] == ["\n", "\n"]
+    for k, position in enumerate(positions):
+        assert tokenizer.decode(ids[:position + 1], skip_special_tokens=True) == prompt + "".join(
+            step + "\n" for step in steps[:k + 1])
+    with pytest.raises(ValueError, match="separator"):
+        prm.build_prm_example(tokenizer, prompt, steps, step_separator="", max_length=100)
+
+
+def test_truncation_drops_whole_steps_and_a_too_long_prompt_drops_the_row():
+    tokenizer = prm.build_tiny_tokenizer()
+    prompt, steps = "start 7\n", ["7+2=9", "9-3=6", "6+1=7"]
+    # 21 tokens hold bos + prompt + two steps exactly; one token less cuts the second step, which goes whole
+    ids, positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n", max_length=21)
+    assert positions == [14, 20] and len(ids) == 21
+    ids, positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n", max_length=20)
+    assert positions == [14] and len(ids) == 15
+    ids, positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n", max_length=5)
+    assert positions == [] and len(ids) == 5
+    rows = [{"prompt": prompt, "completions": steps, "labels": [1.0, 1.0, 0.0]},
+            {"prompt": "start 1234567890\n", "completions": ["1+1=2"], "labels": [1.0]}]
+    examples, dropped_steps, dropped_rows = prm.encode_rows(tokenizer, rows, "\n", 20)
+    assert (dropped_steps, dropped_rows) == (2 + 1, 1)
+    assert len(examples) == 1 and examples[0]["labels"] == [1.0]  # the label of the dropped step went with it
+
+
+def merging_bpe_tokenizer(with_bos: bool = True):
+    """A BPE trained with no pre-tokenizer on text where newlines are mostly followed by 'The': its merges
+    cross the end of a step ('.\\n', '\\nThe', '\\n\\n')."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["The cat sat.\nThe dog ran.\nThe end.\n\nThe sum is 12.\nThe cat ate.\n"] * 200
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.decoder = decoders.Fuse()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "<unk>"],
+                                                        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<s>" if with_bos else None)
+
+
+@pytest.mark.parametrize("separator", ["\n", "\n\n"])
+def test_build_prm_example_with_a_bpe_whose_merges_cross_step_boundaries(separator):
+    tokenizer = merging_bpe_tokenizer()
+    prompt, steps = "The sum.\n", ["The cat sat.", "The dog ran.", "The end."]
+    joined = prompt + "".join(step + separator for step in steps)
+    # tokenising the joined text puts a step's end and the next step's start in one token: the classic bug
+    encoding = tokenizer._tokenizer.encode(joined, add_special_tokens=False)
+    ends, end = [], len(prompt)
+    for step in steps:
+        end += len(step + separator)
+        ends.append(end)
+    assert any(start < boundary < stop for start, stop in encoding.offsets for boundary in ends[:-1])
+
+    ids, positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator=separator, max_length=500)
+    assert ids[0] == tokenizer.bos_token_id and len(positions) == len(steps)
+    for k, position in enumerate(positions):
+        expected = prompt + "".join(step + separator for step in steps[:k + 1])
+        assert tokenizer.decode(ids[:position + 1], skip_special_tokens=True) == expected
+        assert tokenizer.decode(ids[position]).endswith(separator[-1])  # the label token ends the separator
+    # the same ids as tokenising each piece alone: what scoring does for one solution, training does for many
+    pieces = [tokenizer(text, add_special_tokens=False)["input_ids"]
+              for text in [prompt] + [step + separator for step in steps]]
+    assert ids == [tokenizer.bos_token_id] + [i for piece in pieces for i in piece]
+
+
+def test_bpe_without_bos_and_truncation_in_the_middle_of_a_merged_token():
+    tokenizer = merging_bpe_tokenizer(with_bos=False)
+    prompt, steps = "The sum.\n", ["The cat sat.", "The dog ran."]
+    full_ids, full_positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n", max_length=500)
+    assert tokenizer.bos_token_id is None and full_ids[0] != tokenizer.pad_token_id
+    ids, positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n",
+                                           max_length=full_positions[1])  # one token short of step 2
+    assert positions == full_positions[:1] and ids == full_ids[:positions[0] + 1]
+    assert tokenizer.decode(ids) == prompt + steps[0] + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def test_step_accuracy_and_auroc_by_hand():
+    assert prm.step_accuracy([0.9, 0.4, 0.5, 0.2], [1, 1, 0, 0.0]) == pytest.approx(0.5)
+    assert prm.step_accuracy([0.7], [0.5]) == 1.0  # a soft label of 0.5 counts as correct
+    # positives {0.9, 0.8}, negatives {0.8, 0.3}: pairs won 1 + 1 + 1, tied 1 -> (3 + 0.5) / 4
+    assert prm.auroc([0.9, 0.8, 0.8, 0.3], [1, 0, 1, 0]) == pytest.approx(0.875)
+    assert prm.auroc([0.1, 0.2, 0.3, 0.4], [1, 1, 0, 0]) == 0.0
+    assert prm.auroc([0.5, 0.5, 0.5], [1, 0, 1]) == 0.5
+    assert math.isnan(prm.auroc([0.1, 0.9], [1, 1]))
+
+
+def test_auroc_matches_pairwise_count_with_many_ties():
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, 200) / 4  # five distinct values: ties everywhere
+    labels = rng.random(200) < 0.6
+    pos, neg = scores[labels], scores[~labels]
+    pairwise = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
+    assert prm.auroc(scores, labels.astype(float)) == pytest.approx(pairwise)
+
+
+def test_first_error_f1_by_hand():
+    scores = [[0.9, 0.2, 0.1], [0.8, 0.3], [0.9, 0.7], [0.9, 0.4, 0.9]]
+    labels = [[1, 0, 0], [0, 0], [1, 1], [1, 1, 1]]
+    # threshold 0.5: predicted first errors 1, 1, -1, 1; true 1, 0, -1, -1 -> acc_err 1/2, acc_corr 1/2
+    assert prm.first_error_f1(scores, labels, 0.5) == pytest.approx((0.5, 0.5, 0.5))
+    # threshold 0.35: predicted 1, 1, -1, -1 -> acc_err 1/2, acc_corr 1 -> F1 = 2 * .5 / 1.5
+    assert prm.first_error_f1(scores, labels, 0.35) == pytest.approx((2 / 3, 0.5, 1.0))
+    # threshold 0: nothing flagged -> acc_err 0, acc_corr 1 -> F1 0
+    assert prm.first_error_f1(scores, labels, 0.0) == pytest.approx((0.0, 0.0, 1.0))
+    f1, acc_err, acc_corr = prm.first_error_f1(scores[2:], labels[2:], 0.5)  # no erroneous solution at all
+    assert math.isnan(f1) and math.isnan(acc_err) and acc_corr == 0.5
+
+
+def test_choose_threshold_finds_the_best_f1():
+    rng = np.random.default_rng(1)
+    labels = [[1.0] * k + [0.0] * (n - k) for n, k in zip(rng.integers(1, 6, 80), rng.integers(0, 6, 80))]
+    scores = [[float(np.clip(y * 0.6 + rng.normal(0.2, 0.2), 0, 1)) for y in row] for row in labels]
+    chosen = prm.choose_threshold(scores, labels)
+    grid_best = max(prm.first_error_f1(scores, labels, t)[0] for t in np.linspace(-0.1, 1.1, 1201))
+    assert prm.first_error_f1(scores, labels, chosen)[0] == pytest.approx(grid_best)
+    scores, labels = [[0.9, 0.2], [0.8, 0.9]], [[1, 0], [1, 1]]  # separable: a threshold in (0.2, 0.8) is perfect
+    assert 0.2 < prm.choose_threshold(scores, labels) < 0.8
+
+
+def test_aggregate_scores_and_position_baseline():
+    assert prm.aggregate_scores([0.9, 0.5, 0.8], "min") == 0.5
+    assert prm.aggregate_scores([0.9, 0.5, 0.8], "prod") == pytest.approx(0.36)
+    assert prm.aggregate_scores([0.9, 0.5, 0.8], "last") == 0.8
+    assert prm.aggregate_scores([0.9, 0.5, 0.7], "mean") == pytest.approx(0.7)
+    assert all(prm.aggregate_scores([], how) == 0.0 for how in ("min", "prod", "last", "mean"))
+    with pytest.raises(ValueError):
+        prm.aggregate_scores([0.5], "max")
+    # index 0: 2 of 2 correct, index 1: 1 of 2, index 2: 0 of 1; longer solutions reuse the last rate
+    assert prm.position_baseline([[1, 1, 0], [1, 0]], [2, 4]) == [[1.0, 0.5], [1.0, 0.5, 0.0, 0.0]]
+
+
+def test_split_steps():
+    assert prm.split_steps("a\nb\n\nc\n", "\n") == ["a", "b", "c"]
+    assert prm.split_steps("one. two.", "\n\n") == ["one. two."]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data and model, in-process
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"prompt": "p", "completions": ["a", "b"], "labels": [true]}', "1 labels for 2 steps"),
+    ('{"prompt": "p", "completions": ["a"], "labels": [1.5]}', "label 0 is 1.5"),
+    ('{"prompt": "p", "completions": ["a"], "labels": [-0.1]}', "label 0 is -0.1"),
+    ('{"prompt": "p", "completions": ["a"], "labels": [NaN]}', "label 0 is nan"),
+    ('{"prompt": "p", "completions": ["a"], "labels": ["+"]}', "label 0 is '+'"),
+    ('{"completions": ["a"], "labels": [1]}', '"prompt"'),
+    ('{"prompt": "p", "labels": [1]}', '"completions"'),
+    ('{"prompt": "p", "completions": ["a"]}', '"labels"'),
+    ('{"prompt": "p", "completions": "a", "labels": [1]}', '"completions"'),
+    ('{"prompt": "p", "completions": [], "labels": []}', "no steps"),
+    ('{"prompt": "p", "completions": ["a"], "labels": [1]', "invalid JSON"),
+    ('[1, 2]', "JSON object"),
+])
+def test_bad_rows_are_named(tmp_path, line, problem):
+    good = '{"prompt": "p", "completions": ["a", "b"], "labels": [true, 0.25]}'
+    path = write_rows(tmp_path / "rows.jsonl", [good, "", good, line, good])
+    with pytest.raises(prm.UserError, match="rows.jsonl:4: .*" + re.escape(problem)):
+        prm.load_jsonl_rows(str(path))
+    rows, skipped = prm.load_jsonl_rows(str(path), skip_bad_rows=True)
+    assert skipped == 1 and len(rows) == 3 and rows[0]["labels"] == [1.0, 0.25]
+
+
+def test_scoring_rows_need_no_labels(tmp_path):
+    path = write_rows(tmp_path / "rows.jsonl", [{"prompt": "p", "completions": []}, {"prompt": "q", "completions": ["a"]}])
+    rows, _ = prm.load_jsonl_rows(str(path), need_labels=False)
+    assert rows == [{"prompt": "p", "completions": []}, {"prompt": "q", "completions": ["a"]}]
+    with pytest.raises(prm.UserError, match="does not exist"):
+        prm.load_jsonl_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_lora_trains_only_adapters_and_the_head():
+    from peft import PeftModel
+
+    model, base_copy = prm.build_prm(prm.Args(lora_r=4), torch.float32)
+    assert isinstance(model.backbone, PeftModel) and base_copy is not None
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert {"head.weight", "head.bias"} <= trained
+    assert any("lora_A" in name for name in trained) and any("lora_B" in name for name in trained)
+    assert all("lora_" in name or name.startswith("head.") for name in trained)
+    adapted = [m for m in model.backbone.modules() if hasattr(m, "lora_A")]
+    layers = model.backbone.get_base_model().config.num_hidden_layers
+    assert len(adapted) == 7 * layers  # every linear layer of every block: q k v o gate up down
+    full, _ = prm.build_prm(prm.Args(lora_r=0), torch.float32)
+    assert all(p.requires_grad for p in full.parameters())
+    assert not hasattr(full.backbone, "lm_head") and type(full.backbone).__name__ == "LlamaModel"
+
+
+def test_scores_do_not_depend_on_batching():
+    torch.manual_seed(0)
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    rows = builtin_rows(12)
+    prompts, steps = [r["prompt"] for r in rows], [r["completions"] for r in rows]
+    one_by_one = [prm.score_steps(model, [p], [s])[0] for p, s in zip(prompts, steps)]
+    batched = prm.score_steps(model, prompts, steps, batch_size=5)
+    assert [len(s) for s in batched] == [len(s) for s in steps]
+    for a, b in zip(one_by_one, batched):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end, as subprocesses
+
+
+def test_default_run_few_steps(tmp_path):
+    out = tmp_path / "run"
+    process = run_prm("--output-dir", str(out), *QUICK)
+    summary = read_summary(out)
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["steps"] == 3 and summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
+    assert summary["dropped_steps"] == 0 and summary["dropped_rows"] == 0 and summary["eval_rows"] == 40
+    assert 0.0 <= summary["eval_auroc_end"] <= 1.0 and 0.0 <= summary["baseline_position_auroc"] <= 1.0
+    metrics = read_metrics(out)
+    assert [row["step"] for row in metrics] == [1, 2, 3]
+    assert "eval_auroc" in metrics[1] and "eval_auroc" not in metrics[0]  # --eval-every 2
+    for key in ("loss", "accuracy", "grad_norm", "learning_rate", "step_time_s", "labelled_steps"):
+        assert math.isfinite(metrics[-1][key]), key
+    assert "eval at step 0" in process.stdout and "eval at step 3" in process.stdout
+    final = out / "final"
+    for name in ("config.json", "model.safetensors", "reward_head.safetensors", "prm_config.json", "tokenizer.json"):
+        assert (final / name).is_file(), name
+    config = json.loads((final / "prm_config.json").read_text())
+    assert config == {**config, "base_model": "tiny", "lora": False, "step_separator": "\n", "max_length": 1024,
+                      "loss_kind": "bce"}
+    assert not (tmp_path / "run" / "final.tmp").exists()
+
+
+def test_save_reload_and_score_command_give_the_training_scores(tmp_path):
+    rows = builtin_rows(6) + [{"prompt": "start 1" * 200 + "\n", "completions": ["1+1=2"]},  # prompt too long
+                              {"prompt": "start 3\n", "completions": []},
+                              {"prompt": "start 3\n", "completions": ["3+1=4", "4+4=8", "8-1=7"]}]
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "run"
+    run_prm("--output-dir", str(out), *QUICK, "--max-length", "1000", "--score-data-path", str(data))
+    trained = read_jsonl(out / "scores.jsonl")
+    scored_file = tmp_path / "scores.jsonl"
+    process = run_prm("--prm-path", str(out / "final"), "--score-data-path", str(data), "--scores-output",
+                      str(scored_file))
+    assert "scored" in process.stdout
+    reloaded = read_jsonl(scored_file)
+    assert [r["prompt"] for r in reloaded] == [r["prompt"] for r in rows]
+    assert [len(r["scores"]) for r in reloaded] == [len(r["completions"]) for r in rows[:6]] + [0, 0, 3]
+    for a, b in zip(trained, reloaded):
+        np.testing.assert_allclose(a["scores"], b["scores"], rtol=0, atol=1e-6)
+    assert all(0.0 < s < 1.0 for r in reloaded for s in r["scores"])  # bce scores are probabilities
+    # and from Python, with the same numbers
+    model = prm.load_prm(str(out / "final"), device="cpu")
+    scores = prm.score_steps(model, [r["prompt"] for r in rows], [r["completions"] for r in rows], batch_size=4)
+    for a, b in zip(scores, reloaded):
+        np.testing.assert_allclose(a, b["scores"], rtol=0, atol=1e-6)
+
+
+def test_lora_on_a_saved_and_reloaded_tiny_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = prm.build_tiny_tokenizer()
+    torch.manual_seed(0)
+    causal_lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+                                             pad_token_id=tokenizer.pad_token_id))
+    base = tmp_path / "base"
+    causal_lm.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    data = write_rows(tmp_path / "rows.jsonl", builtin_rows(5))
+    out = tmp_path / "run"
+    run_prm("--output-dir", str(out), *QUICK, "--model", str(base), "--lora-r", "4", "--score-data-path", str(data))
+    summary = read_summary(out)
+    assert 0 < summary["trainable_parameters"] < summary["parameters"] / 5
+    final = out / "final"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "reward_head.safetensors").is_file()
+    assert not (final / "model.safetensors").exists() and not (final / "base").exists()  # the base reloads by path
+    config = json.loads((final / "prm_config.json").read_text())
+    assert config["lora"] and config["backbone"] == str(base.resolve())
+    model = prm.load_prm(str(final), device="cpu")
+    scores = prm.score_steps(model, [r["prompt"] for r in builtin_rows(5)], [r["completions"] for r in builtin_rows(5)])
+    for a, b in zip(scores, read_jsonl(out / "scores.jsonl")):
+        np.testing.assert_allclose(a, b["scores"], rtol=0, atol=1e-6)
+
+
+def test_lora_on_the_tiny_model_saves_its_base(tmp_path):
+    rows = builtin_rows(4)
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    args = prm.Args(output_dir=str(tmp_path / "run"), total_steps=2, batch_size=8, eval_every=0, num_eval_rows=20,
+                    num_val_rows=10, lora_r=4, score_data_path=str(data))
+    prm.train(args)
+    final = tmp_path / "run" / "final"
+    assert (final / "base" / "model.safetensors").is_file() and (final / "adapter_model.safetensors").is_file()
+    model = prm.load_prm(str(final), device="cpu")
+    scores = prm.score_steps(model, [r["prompt"] for r in rows], [r["completions"] for r in rows])
+    for a, b in zip(scores, read_jsonl(tmp_path / "run" / "scores.jsonl")):
+        np.testing.assert_allclose(a, b["scores"], rtol=0, atol=1e-6)
+
+
+def test_mse_loss_regresses_the_raw_output(tmp_path):
+    out = tmp_path / "run"
+    run_prm("--output-dir", str(out), "--loss-kind", "mse", "--total-steps", "25", "--batch-size", "16",
+            "--eval-every", "0", "--num-eval-rows", "40", "--num-val-rows", "20", "--warmup-steps", "0")
+    losses = [row["loss"] for row in read_metrics(out)]
+    # the head starts near 0 against labels that are mostly 1: the squared error falls as it learns the mean
+    assert np.mean(losses[-5:]) < 0.5 * losses[0]
+    assert json.loads((out / "final" / "prm_config.json").read_text())["loss_kind"] == "mse"
+
+
+def test_soft_labels_are_learned_as_given(tmp_path):
+    # every step labelled 0.7: BCE with soft labels drives the mean score to 0.7 (flooring them, as TRL's
+    # int() does, would drive it to 0, and rounding to 1)
+    rows = [{**row, "labels": [0.7] * len(row["completions"])} for row in builtin_rows(200)]
+    data = write_rows(tmp_path / "soft.jsonl", rows)
+    out = tmp_path / "run"
+    run_prm("--output-dir", str(out), "--data-path", str(data), "--eval-data-path", str(data), "--total-steps",
+            "40", "--batch-size", "16", "--learning-rate", "1e-2", "--warmup-steps", "0", "--eval-every", "0")
+    metrics = read_metrics(out)
+    assert np.mean([row["score_mean"] for row in metrics[-5:]]) == pytest.approx(0.7, abs=0.05)
+    assert read_summary(out)["train_rows"] == 180  # a tenth held out for the threshold
+
+
+def test_bad_row_stops_with_the_line_and_exit_code_2(tmp_path):
+    good = {"prompt": "start 1\n", "completions": ["1+1=2"], "labels": [True]}
+    data = write_rows(tmp_path / "bad.jsonl", [good, good, {"prompt": "start 1\n", "completions": ["1+1=2"],
+                                                            "labels": [True, False]}])
+    process = run_prm("--output-dir", str(tmp_path / "run"), "--data-path", str(data), expect_rc=2)
+    assert "bad.jsonl:3: 2 labels for 1 steps" in process.stderr and "Traceback" not in process.stderr
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_skip_bad_rows_counts_and_skips(tmp_path):
+    rows = builtin_rows(40)
+    bad = ['{"prompt": "p", "completions": ["a"], "labels": [1, 0]}',
+           '{"prompt": "p", "completions": ["a"], "labels": [2]}',
+           '{"prompt": "p", "labels": [1]}',
+           '{"prompt": "p", "completions": ["a"], "labels": [1]']
+    data = write_rows(tmp_path / "rows.jsonl", rows[:10] + bad[:2] + rows[10:] + bad[2:])
+    out = tmp_path / "run"
+    process = run_prm("--output-dir", str(out), "--data-path", str(data), "--eval-data-path", str(data),
+                      "--skip-bad-rows", "--total-steps", "2", "--batch-size", "8", "--eval-every", "0")
+    assert "rows.jsonl:11:" in process.stderr and "rows.jsonl:45:" in process.stderr
+    summary = read_summary(out)
+    assert summary["skipped_rows"] == 2 * 4 and summary["train_rows"] == 36 and summary["eval_rows"] == 40
+
+
+@pytest.mark.slow
+def test_default_run_learns_to_check_steps(tmp_path):
+    out = tmp_path / "run"
+    run_prm("--output-dir", str(out), timeout=900)
+    summary = read_summary(out)
+    assert summary["eval_auroc_start"] < 0.8
+    assert summary["eval_auroc_end"] >= 0.95 and summary["eval_first_error_f1_end"] >= 0.8
+    # a scorer blind to step content does clearly worse
+    assert summary["baseline_position_auroc"] < 0.85 and summary["baseline_position_first_error_f1"] < 0.5
