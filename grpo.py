@@ -94,9 +94,9 @@ class Args:
     # Rollout and reward
     total_steps: int = 400
     """number of training steps (one rollout batch each)"""
-    prompts_per_step: int = 16
+    prompts_per_step: int = 8
     """prompts per step, over all processes"""
-    group_size: int = 8
+    group_size: int = 16
     """completions sampled per prompt (the group GRPO standardises rewards in)"""
     max_new_tokens: int = 2
     """maximum completion length in tokens"""
@@ -110,7 +110,7 @@ class Args:
     """leave completions that hit max_new_tokens without EOS out of the loss (DAPO's overlong filtering)"""
     answer_reward_weight: float = 1.0
     """weight of the answer-match reward (1 when the final number equals the answer)"""
-    format_reward_weight: float = 0.2
+    format_reward_weight: float = 0.1
     """weight of the format reward (1 when the completion states its answer as a bare number, `#### n` or \\boxed{n})"""
     prm_path: Optional[str] = None
     """a PRM saved by prm.py: its step scores become a reward (imports prm.py only when given)"""
@@ -168,7 +168,11 @@ class Args:
     save_every: int = 0
     """write a checkpoint every this many steps (0 = only the final model)"""
     resume_from: Optional[str] = None
-    """a checkpoint directory written by this script to continue from"""
+    """a checkpoint-STEP directory written by this script, or `latest` (the newest in --output-dir), to continue"""
+    keep_checkpoints: int = 2
+    """how many checkpoint-STEP directories to keep (older ones are deleted)"""
+    overwrite: bool = False
+    """replace a run already in --output-dir (otherwise that is an error, unless resuming)"""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """weights and compute dtype; auto = bfloat16 on CUDA when supported, float32 otherwise"""
     device: str = "auto"
@@ -332,11 +336,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 # (Two-operand versions such as (a+b)%10 need a 100-entry lookup that this tiny model does not find by RL
 # within a few minutes: the policy collapses on a constant answer first.)
 TINY_CHARS = list("0123456789+-*/%()= ")
-TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
-TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
 def builtin_task(seed: int, num_eval: int) -> tuple[list[dict], list[dict]]:
@@ -441,8 +441,7 @@ def build_tiny_tokenizer():
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
                                       eos_token="<eos>", unk_token="<unk>", model_max_length=1024)
-    wrapped.chat_template = TINY_CHAT_TEMPLATE
-    return wrapped
+    return wrapped  # no chat template: the built-in prompts are raw text, as for a base model
 
 
 def build_tiny_model(tokenizer):
@@ -526,18 +525,31 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def prompt_generators(seed: int, step: int, prompt_indices: list[int], device) -> list[torch.Generator]:
+    """One random stream per prompt, keyed by (seed, step, the prompt's index in the global batch): a prompt's
+    completions are the same whichever process samples it and however the batch is split, and a resumed run
+    samples exactly what an uninterrupted one would."""
+    return [torch.Generator(device=device).manual_seed(int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0]))
+            for index in prompt_indices]
+
+
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int, pad_id: int, temperature=1.0,
-             top_p=1.0, top_k=0, greedy=False, generator=None):
-    """Sample completions with a KV cache. prompt_ids, prompt_mask [B, P], left-padded.
+             top_p=1.0, top_k=0, generators: Optional[list] = None):
+    """Complete left-padded prompts with a KV cache. prompt_ids, prompt_mask [B, P].
 
-    Returns completion ids [B, T] (pad after EOS), the completion mask [B, T] (1 up to and including EOS), and
-    the sampler's log-probs [B, T] of the chosen tokens under softmax(logits / T) over the full vocabulary (the
-    distribution the training pass computes; top-k/top-p only choose which token is drawn).
+    With `generators` (one per group of B / len(generators) consecutive rows) tokens are sampled from
+    softmax(logits / temperature), restricted by top-k / top-p, with the Gumbel-max trick:
+    argmax(logits / T + Gumbel noise) is an exact sample, and the noise comes from each row group's own stream.
+    Without generators decoding is greedy. Returns completion ids [B, T] (pad after EOS), the completion mask
+    [B, T] (1 up to and including the first EOS), and the sampler's log-probs [B, T] of the chosen tokens under
+    softmax(logits / T) over the whole vocabulary (what the training pass computes; top-k/top-p only choose
+    which token is drawn).
     """
     from transformers import DynamicCache
 
     batch = prompt_ids.shape[0]
+    greedy = generators is None
     position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
     attention_mask = prompt_mask
     cache = DynamicCache()
@@ -547,16 +559,18 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
     finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens, logps = [], []
     for _ in range(max_new_tokens):
-        scaled = logits.float() / (1.0 if greedy else temperature)
-        logp_all = torch.log_softmax(scaled, dim=-1)  # [B, V]
+        scaled = logits.float() / (1.0 if greedy else temperature)  # [B, V]
         if greedy:
             token = scaled.argmax(-1)
         else:
-            probs = filter_logits(scaled, top_k, top_p).softmax(-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            rows_per_stream = batch // len(generators)
+            uniform = torch.cat([torch.rand(rows_per_stream, scaled.shape[-1], generator=g, device=scaled.device)
+                                 for g in generators])  # [B, V]
+            gumbel = -torch.log(-torch.log(uniform))
+            token = (filter_logits(scaled, top_k, top_p) + gumbel).argmax(-1)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
-        logps.append(logp_all.gather(-1, token.unsqueeze(-1)).squeeze(-1))
+        logps.append(torch.log_softmax(scaled, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1))
         finished |= token == eos_id
         if finished.all():
             break
@@ -569,6 +583,15 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
     # 1 up to and including the first EOS: positions whose count of earlier EOS tokens is 0
     completion_mask = ((is_eos.cumsum(1) - is_eos.long()) == 0).long()
     return completion_ids, completion_mask, torch.stack(logps, dim=1)
+
+
+def decode_completions(tokenizer, completion_ids, completion_mask) -> list[str]:
+    """Each completion's text up to (not including) its EOS, special tokens kept."""
+    ends_with_eos = completion_ids.gather(1, (completion_mask.sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1) \
+        == tokenizer.eos_token_id
+    lengths = (completion_mask.sum(1) - ends_with_eos.long()).tolist()
+    return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)],
+                                  skip_special_tokens=False)
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
@@ -706,26 +729,38 @@ def evaluate(model, tokenizer, rows, args: Args, device) -> tuple[float, list[st
         batch = rows[start:start + args.eval_batch_size]
         ids, mask = left_pad(encode_prompts(tokenizer, [r["prompt"] for r in batch], args.chat_template,
                                             args.max_prompt_length), tokenizer.pad_token_id, device)
-        completion_ids, _, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
-                                        eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=True)
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completion_ids, completion_mask, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
+                                        eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask)
         correct += sum(answer_reward(t, r["answer"]) for t, r in zip(texts, batch))
         samples += [f"{r['prompt']!r} -> {t!r}" for t, r in zip(texts, batch)][:3 - len(samples)]
     model.train(was_training)
     return correct / len(rows), samples
 
 
-def rng_state(generator: torch.Generator) -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "sampler": generator.get_state()}
+def rng_state() -> dict:
+    """The global generators' states, as tensors and plain tuples (loadable with weights_only=True). The sampler
+    needs none: its streams are keyed by (seed, step, prompt)."""
+    numpy_state = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (numpy_state[0], torch.from_numpy(numpy_state[1].copy()),
+                                                    *numpy_state[2:]),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Optional[dict]) -> None:
     """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact."""
     temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
-    model.save_pretrained(temporary)
+    model.save_pretrained(temporary, max_shard_size="1000GB")  # one file, so resuming can read it back whole
     tokenizer.save_pretrained(temporary)
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump({"script": "grpo.py", **asdict(args)}, f, indent=2)
@@ -736,38 +771,95 @@ def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Opti
     os.replace(temporary, path)
 
 
+def checkpoint_steps(output_dir: str) -> list[int]:
+    """Steps of the complete checkpoints in output_dir, oldest first (a *.tmp left by a crash is not one)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(int(name.split("-")[1]) for name in os.listdir(output_dir)
+                  if re.fullmatch(r"checkpoint-\d+", name) and os.path.isfile(
+                      os.path.join(output_dir, name, "trainer_state.pt")))
+
+
+# what a checkpoint must agree on with the run that resumes from it
+RESUME_MUST_MATCH = ("model", "data_path", "lora_r", "lora_target_modules", "prompts_per_step", "group_size",
+                     "num_iterations", "loss_type", "kl_coef", "seed")
+
+
+def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
+    """The checkpoint directory to resume from (`latest` = the newest in --output-dir), checked against args."""
+    if args.resume_from is None:
+        return None
+    path = args.resume_from
+    if path == "latest":
+        steps = checkpoint_steps(output_dir)
+        if not steps:
+            raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir}")
+        path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
+    args_file = os.path.join(path, "args.json")
+    if not os.path.isfile(args_file) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        raise UserError(f"--resume-from {path}: not a checkpoint written by grpo.py (no args.json and "
+                        "trainer_state.pt in it)")
+    with open(args_file) as f:
+        saved = json.load(f)
+    if saved.get("script") != "grpo.py":
+        raise UserError(f"--resume-from {path}: this checkpoint was written by {saved.get('script')}, not grpo.py")
+    different = [f"--{key.replace('_', '-')} {saved.get(key)!r} there, {getattr(args, key)!r} here"
+                 for key in RESUME_MUST_MATCH if saved.get(key) != getattr(args, key)]
+    if different:
+        raise UserError(f"--resume-from {path}: the checkpoint's run differs from this one ({'; '.join(different)}); "
+                        "resume with the same settings")
+    return path
+
+
+def validate_args(args: Args, world_size: int, device: torch.device) -> None:
+    """Flags that contradict each other stop the run before anything is loaded or written."""
+    def check(condition: bool, message: str) -> None:
+        if not condition:
+            raise UserError(message)
+
+    check(args.group_size >= 2, f"--group-size must be at least 2 (got {args.group_size}): advantages compare "
+          "completions of the same prompt")
+    check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
+    check(args.total_steps >= 1 and args.prompts_per_step >= 1 and args.num_iterations >= 1,
+          "--total-steps, --prompts-per-step and --num-iterations must be at least 1")
+    check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "
+          "--loss-type dr_grpo also uses it as its constant normaliser")
+    check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature}); evaluation is greedy anyway")
+    check(0 < args.top_p <= 1 and args.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0")
+    check(args.clip_eps_low >= 0 and args.clip_eps_high >= 0, "--clip-eps-low/--clip-eps-high must be >= 0")
+    check(args.delta is None or args.delta > 1 + args.clip_eps_high,
+          f"--delta {args.delta} must be above 1 + --clip-eps-high, or the bound clips every positive ratio")
+    check(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    check(args.prompts_per_step % world_size == 0, f"--prompts-per-step {args.prompts_per_step} must be "
+          f"divisible by the number of processes ({world_size})")
+    local_batch = args.prompts_per_step // world_size * args.group_size
+    check(args.micro_batch_size <= local_batch, f"--micro-batch-size {args.micro_batch_size} is larger than the "
+          f"batch of {local_batch} completions per process (prompts per step / processes x group size)")
+    check(args.micro_batch_size >= 0, "--micro-batch-size must be >= 0 (0 = the whole batch at once)")
+    check(args.dtype != "bfloat16" or device.type != "cuda" or torch.cuda.is_bf16_supported(),
+          "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
+
+
 def train(args: Args) -> dict:
-    # ---- set-up: processes, device, dtype, seeds
-    if args.group_size < 2:
-        raise UserError(f"--group-size must be at least 2 (got {args.group_size}): advantages compare completions "
-                        "of the same prompt")
-    if args.lora_r < 0:
-        raise UserError(f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
-    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # ---- set-up: processes, device, dtype, output directory
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # launched by torchrun with several processes
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    args.world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
+    args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     if args.device == "auto":
         device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+    validate_args(args, args.world_size, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if distributed:
+    if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     is_main = rank == 0
-    if args.prompts_per_step % args.world_size:
-        raise UserError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
-                        f"{args.world_size}")
     args.local_prompts = args.prompts_per_step // args.world_size
     local_batch = args.local_prompts * args.group_size
     micro_batch = args.micro_batch_size or local_batch
-    if micro_batch > local_batch:
-        raise UserError(f"--micro-batch-size {micro_batch} is larger than the local batch of {local_batch} "
-                        "completions (prompts per process x group size)")
-    if args.loss_type == "dr_grpo" and args.max_new_tokens <= 0:
-        raise UserError("--loss-type dr_grpo normalises by --max-new-tokens, which must be positive")
     use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
                                              and torch.cuda.is_bf16_supported())
     dtype = torch.bfloat16 if use_bf16 else torch.float32
@@ -778,26 +870,36 @@ def train(args: Args) -> dict:
         timestamp = int(stamp.item())
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{timestamp}"
     output_dir = args.output_dir or os.path.join("runs", args.run_name)
-    seed_everything(args.seed)  # the same on every rank: identical initial weights (and a new PRM head)
+    resume_path = resolve_resume(args, output_dir)
+    if resume_path is None and os.path.isfile(os.path.join(output_dir, "metrics.jsonl")) and not args.overwrite:
+        raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
+                        "to continue it, or another --output-dir")
+    seed_everything(args.seed)  # the same on every rank: identical initial weights
 
     # ---- model, reference policy, optimiser
     model, tokenizer = load_model_and_tokenizer(args.model, dtype, args.trust_remote_code)
     disable_dropout(model)
     reference = None
     if args.lora_r > 0:
-        if args.resume_from:
+        if resume_path:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, args.resume_from, is_trainable=True)
+            model = PeftModel.from_pretrained(model, resume_path, is_trainable=True)
         else:
             model = apply_lora(model, args)
     else:
         if args.kl_coef != 0.0:  # the reference is the initial policy: copied before any resumed weights load
             reference = copy.deepcopy(model).eval().requires_grad_(False).to(device)
-        if args.resume_from:
+        if resume_path:
             from safetensors.torch import load_file
 
-            model.load_state_dict(load_file(os.path.join(args.resume_from, "model.safetensors")), strict=False)
+            missing, unexpected = model.load_state_dict(load_file(os.path.join(resume_path, "model.safetensors")),
+                                                        strict=False)
+            tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(
+                dict(model.named_parameters()))  # tied weights are saved once
+            if unexpected or set(missing) - tied:
+                raise UserError(f"--resume-from {resume_path}: its weights do not fit {args.model} "
+                                f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
     model.to(device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -821,39 +923,46 @@ def train(args: Args) -> dict:
     encode_prompts(tokenizer, [r["prompt"] for r in train_rows], args.chat_template, args.max_prompt_length)
     reward_fns = make_reward_fns(args, device)
 
-    def prompts_for_step(step: int) -> list[dict]:
-        """This rank's prompts for a step: a fresh seeded permutation per epoch, so any step can be rebuilt
-        from its number alone (which is all that resuming needs)."""
+    def prompts_for_step(step: int) -> tuple[list[int], list[dict]]:
+        """This rank's share of a step's prompts, with their indices in the global batch. Each epoch is a fresh
+        permutation seeded by (seed, epoch), so any step can be rebuilt from its number alone."""
         chosen = []
         for position in range(step * args.prompts_per_step, (step + 1) * args.prompts_per_step):
             epoch, index = divmod(position, len(train_rows))
             order = np.random.default_rng([args.seed, epoch]).permutation(len(train_rows))
             chosen.append(train_rows[order[index]])
-        return chosen[rank::args.world_size]
+        indices = list(range(rank, args.prompts_per_step, args.world_size))
+        return indices, [chosen[i] for i in indices]
 
     # ---- resume, logging
-    sampler = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)  # different samples per rank
     start_step = 0
-    if args.resume_from:
-        state = torch.load(os.path.join(args.resume_from, "trainer_state.pt"), weights_only=False)
+    bad_steps_in_a_row = skipped_updates = 0
+    if resume_path:
+        state = torch.load(os.path.join(resume_path, "trainer_state.pt"), weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         for p, m in zip(trainable, master):
             p.data.copy_(m.data)
-        start_step = state["step"]
-        rng = state["rng"][rank] if isinstance(state["rng"], list) else state["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        sampler.set_state(rng["sampler"])
-    os.makedirs(output_dir, exist_ok=True)
+        start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
+        set_rng_state(state["rng"])
+        print0(f"resumed from {resume_path} at step {start_step}", enabled=is_main)
+    if is_main:
+        if resume_path is None and args.overwrite:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        os.makedirs(output_dir, exist_ok=True)
+        metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written
+            with open(metrics_path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= start_step]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
     console = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
-               "clip_frac_high": "clip_hi", "completion_length": "len", "eval_accuracy": "eval_acc", "step_time_s": "dt",
-               "generation_time_s": "gen", "update_time_s": "upd"}
+               "clip_frac_high": "clip_hi", "completion_length": "len", "eval_accuracy": "eval_acc",
+               "step_time_s": "dt", "generation_time_s": "gen", "update_time_s": "upd"}
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
                        wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
                        wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main,
-                       append=args.resume_from is not None)
+                       append=resume_path is not None)
     n_params = sum(p.numel() for p in model.parameters())
     print0(f"model {args.model}: {n_params:,} parameters ({sum(p.numel() for p in trainable):,} trained), "
            f"{dtype}, {device}; {args.world_size} process(es), {args.prompts_per_step} prompts x "
@@ -863,11 +972,16 @@ def train(args: Args) -> dict:
     previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
                          for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def checkpoint(step: int, name: str) -> None:
+    def checkpoint(step: int) -> str:
+        """checkpoint-STEP on rank 0, keeping the newest --keep-checkpoints."""
+        path = os.path.join(output_dir, f"checkpoint-{step}")
         if is_main:
-            save_checkpoint(os.path.join(output_dir, name), model, tokenizer, args, {
+            save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "rng": rng_state(sampler)})
+                "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state()})
+            for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
+        return path
 
     def run_eval(step: int) -> float:
         """Greedy held-out accuracy on rank 0 (other ranks wait at their next collective)."""
@@ -881,9 +995,8 @@ def train(args: Args) -> dict:
     timings = {"generation": 0.0, "reference": 0.0, "reward": 0.0, "update": 0.0}
     step_times, memory_samples = [], []
     generated_tokens = trained_tokens = 0
-    bad_steps_in_a_row = 0
-    skipped_updates = 0
     run_start = time.perf_counter()
+    interrupted = False
 
     def sync_clock() -> float:
         if device.type == "cuda":
@@ -893,7 +1006,7 @@ def train(args: Args) -> dict:
     for step in range(start_step, args.total_steps):
         step_start = sync_clock()
         # 1. rollout: every prompt repeated group_size times, sampled in one batch with a KV cache
-        rows = prompts_for_step(step)
+        prompt_indices, rows = prompts_for_step(step)
         prompt_list = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.chat_template,
                                      args.max_prompt_length)
         prompt_ids, prompt_mask = left_pad(prompt_list, tokenizer.pad_token_id, device)
@@ -903,15 +1016,16 @@ def train(args: Args) -> dict:
         completion_ids, completion_mask, sampler_logp = generate(
             model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            generator=sampler)
+            generators=prompt_generators(args.seed, step, prompt_indices, device))
         model.train()
         truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & (
             completion_ids[:, -1] != tokenizer.eos_token_id)  # [B]: no EOS within max_new_tokens
         t_generated = sync_clock()
         timings["generation"] += t_generated - step_start
 
-        # 2. rewards, computed on the decoded text (EOS and padding removed)
-        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        # 2. rewards, on the text up to EOS; other special tokens stay in it, so that a policy cannot hide junk in
+        # tokens that decoding would drop
+        completions = decode_completions(tokenizer, completion_ids, completion_mask)
         answers = [r["answer"] for r in rows for _ in range(args.group_size)]
         prompt_texts = [r["prompt"] for r in rows for _ in range(args.group_size)]
         rewards, rewards_per_fn = compute_rewards(prompt_texts, completions, answers, reward_fns,
@@ -999,7 +1113,7 @@ def train(args: Args) -> dict:
                 print0(f"warning: non-finite loss or gradient at step {step}; update skipped", file=sys.stderr,
                        enabled=is_main)
                 if bad_steps_in_a_row >= args.max_bad_steps:
-                    raise RuntimeError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
+                    raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
                                        "lower --learning-rate or check the reward scale")
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -1045,21 +1159,26 @@ def train(args: Args) -> dict:
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
             eval_accuracy = metrics["eval_accuracy"] = run_eval(step + 1)
         logger.log(step + 1, metrics)
-        interrupted = bool(stop_signal)
+        # a signal stops every process after the same step (torchrun forwards it to all, not at the same moment)
+        stop = torch.tensor([float(len(stop_signal))], device=device)
+        if distributed:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        interrupted = stop.item() > 0
         if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
-            checkpoint(step + 1, f"checkpoint-{step + 1}")
+            path = checkpoint(step + 1)
         if interrupted:
-            print0(f"stopped by signal at step {step + 1}; resume with --resume-from "
-                   f"{os.path.join(output_dir, f'checkpoint-{step + 1}')}", enabled=is_main)
+            print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
+                   f"python grpo.py <the same flags> --resume-from {path}", enabled=is_main)
             break
 
     # ---- final evaluation, model, benchmark summary
     total_time = time.perf_counter() - run_start
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
-    eval_accuracy = run_eval(start_step + len(step_times))
-    if is_main:
-        save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None)
+    if not interrupted:
+        eval_accuracy = run_eval(start_step + len(step_times))
+        if is_main:
+            save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None)
     steps_done = len(step_times)
     timed = step_times[1:] or step_times  # the first step pays for warm-up (allocations, kernel selection)
     update_time = max(timings["update"], 1e-9)
@@ -1078,6 +1197,7 @@ def train(args: Args) -> dict:
         "eval_accuracy_start": eval_accuracy_start,
         "eval_accuracy_end": eval_accuracy,
         "skipped_updates": skipped_updates,
+        "interrupted": interrupted,
         "parameters": n_params,
     }
     if device.type == "cuda":

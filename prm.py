@@ -682,11 +682,8 @@ def evaluate(scores: list[list[float]], labels: list[list[float]], threshold: fl
 
 def evaluate_prm(prm, val_examples: list[dict], eval_examples: list[dict], batch_size: int) -> dict:
     """The first-error threshold is chosen on validation rows, then every metric is taken on the eval rows."""
-    if not eval_examples:
-        return {"eval_step_accuracy": float("nan"), "eval_auroc": float("nan"),
-                "eval_first_error_f1": float("nan"), "eval_first_error_threshold": 0.5}
     threshold = 0.5
-    if val_examples:
+    if val_examples and eval_examples:
         threshold = choose_threshold(predict(prm, val_examples, batch_size), [e["labels"] for e in val_examples])
     return evaluate(predict(prm, eval_examples, batch_size), [e["labels"] for e in eval_examples], threshold)
 
@@ -779,7 +776,7 @@ def train(args: Args) -> dict:
     prm, base_copy = build_prm(args, dtype)
     prm.to(device).train()
     if args.gradient_checkpointing:
-        prm.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     tokenizer, pad_id = prm.tokenizer, prm.tokenizer.pad_token_id
 
     # ---- tokenisation, once; steps that do not fit are dropped and counted
@@ -872,9 +869,9 @@ def train(args: Args) -> dict:
             loss.backward()
             loss_sum += loss.item()
             tokens += int(inputs["attention_mask"].sum())
-            steps_here = stats["steps"].item()
-            stat_sums["accuracy"] += stats["accuracy"].item() * steps_here
-            stat_sums["score_mean"] += stats["score_mean"].item() * steps_here
+            steps_here = stats.pop("steps").item()
+            for key, value in stats.items():  # weighted by steps, to average over the whole batch
+                stat_sums[key] += value.item() * steps_here
             stat_sums["steps"] += steps_here
 
         # 3. update: gradients summed over processes (each loss is already divided by the global count), clipped,

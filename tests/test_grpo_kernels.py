@@ -796,11 +796,12 @@ def naive_expected_mask(tokens: list, eos_id: int) -> list:
     return mask
 
 
-def sample(tokenizer, model, prompt_lists, seed, **kwargs):
+def sample(tokenizer, model, prompt_lists, seed, greedy=False, **kwargs):
+    """generate() on left-padded prompts: greedy, or sampled with one seeded stream per row."""
     ids, mask = left_pad(prompt_lists, tokenizer.pad_token_id, "cpu")
-    generator = torch.Generator().manual_seed(seed)
+    generators = None if greedy else [torch.Generator().manual_seed(seed * 1000 + row) for row in range(len(ids))]
     out = generate(model, ids, mask, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                   generator=generator, **kwargs)
+                   generators=generators, **kwargs)
     return ids, mask, out
 
 
@@ -930,3 +931,60 @@ def test_all_rows_finish_early(tiny):
         train_logp, _ = completion_logprobs(model, ids, mask, comp, comp_mask, 0.7)
     on = comp_mask.bool()
     torch.testing.assert_close(train_logp[on], sampler_logp[on], atol=3e-5, rtol=0)
+
+
+class FixedLogits(torch.nn.Module):
+    """A stand-in model whose next-token logits are always the same vector (enough for generate's contract)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.fixed = logits
+
+    def forward(self, input_ids, **kwargs):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.fixed.expand(input_ids.shape[0], input_ids.shape[1], -1).clone())
+
+
+def test_gumbel_sampling_matches_the_softmax():
+    """Gumbel-max sampling draws from softmax(logits / T): empirical frequencies over 6000 rows, within 4 sigma."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    temperature, rows = 0.8, 6000
+    ids = torch.zeros(rows, 1, dtype=torch.long)
+    generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+    tokens, _, logp = generate(FixedLogits(logits), ids, torch.ones_like(ids), max_new_tokens=1, eos_id=99,
+                               pad_id=98, temperature=temperature, generators=generators)
+    expected = torch.softmax(logits / temperature, -1)
+    counts = torch.bincount(tokens[:, 0], minlength=5).double() / rows
+    sigma = (expected * (1 - expected) / rows).sqrt()
+    assert ((counts - expected).abs() <= 4 * sigma).all(), (counts, expected)
+    torch.testing.assert_close(logp[:, 0], torch.log(expected)[tokens[:, 0]])
+
+
+def test_prompt_streams_do_not_depend_on_the_split(tiny):
+    """A prompt's completions depend on (seed, step, its global index) only: sampling the batch in one piece or
+    in two shards (as two processes would) gives the same tokens."""
+    from grpo import prompt_generators
+
+    tokenizer, models, prompt_lists = tiny
+    model, group = models["sharp"], 3
+    prompts = prompt_lists[:4]
+
+    def rollout(indices):
+        rows = [prompts[i] for i in indices for _ in range(group)]
+        ids, mask = left_pad(rows, tokenizer.pad_token_id, "cpu")
+        return generate(model, ids, mask, max_new_tokens=5, eos_id=tokenizer.eos_token_id,
+                        pad_id=tokenizer.pad_token_id, temperature=1.0,
+                        generators=prompt_generators(7, 3, indices, "cpu"))[0]
+
+    whole = rollout([0, 1, 2, 3])
+    for shard in ([0, 2], [1, 3]):
+        part = rollout(shard)
+        for position, index in enumerate(shard):
+            got = part[position * group:(position + 1) * group]
+            want = whole[index * group:(index + 1) * group, :got.shape[1]]
+            assert torch.equal(got, want)
+    assert not torch.equal(rollout([0]), generate(model, *left_pad([prompts[0]] * group, tokenizer.pad_token_id, "cpu"),
+                                                  max_new_tokens=5, eos_id=tokenizer.eos_token_id,
+                                                  pad_id=tokenizer.pad_token_id,
+                                                  generators=prompt_generators(7, 4, [0], "cpu"))[0])

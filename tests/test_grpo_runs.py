@@ -29,10 +29,17 @@ def read_summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
 
 
-def save_tiny(path: Path) -> Path:
+# a chat template over the tiny alphabet, to exercise the template path with the tiny model
+TINY_CHAT_TEMPLATE = ("{% for message in messages %}({{ message['content'] }}){% endfor %}"
+                      "{% if add_generation_prompt %}={% endif %}")
+
+
+def save_tiny(path: Path, chat_template: bool = False) -> Path:
     import grpo
 
     tokenizer = grpo.build_tiny_tokenizer()
+    if chat_template:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
     grpo.build_tiny_model(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -108,7 +115,7 @@ def test_micro_batches_give_the_same_update(tmp_path):
 
 
 def test_saved_model_and_jsonl_with_chat_template(tmp_path):
-    model_dir = save_tiny(tmp_path / "tiny-saved")
+    model_dir = save_tiny(tmp_path / "tiny-saved", chat_template=True)
     rows = [{"prompt": f"({a}+{b})%10=", "answer": str((a + b) % 10)} for a in range(10, 20) for b in range(20, 24)]
     data = write_rows(tmp_path / "train.jsonl", rows)
     evals = write_rows(tmp_path / "eval.jsonl", rows[:8])
@@ -129,7 +136,7 @@ def test_saved_model_and_jsonl_with_chat_template(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     templated = grpo.encode_prompts(tokenizer, ["(1+2)%10="], True, 64)[0]
     plain = grpo.encode_prompts(tokenizer, ["(1+2)%10="], False, 64)[0]
-    assert tokenizer.decode(templated) == "<|user|>(1+2)%10=<|assistant|>"
+    assert tokenizer.decode(templated) == "((1+2)%10=)="
     assert tokenizer.decode(plain) == "<bos>(1+2)%10="
     run_grpo(tmp_path / "plain", "--model", str(model_dir), "--data-path", str(data), "--no-chat-template",
              "--total-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0")

@@ -1,0 +1,208 @@
+"""grpo.py under stress: bad input, interruption and exact resume, two processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo
+from test_grpo_runs import QUICK, REPO_ROOT, read_metrics, run_grpo, save_tiny, write_rows
+
+# wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
+TIMING_KEYS = {"step_time_s", "generation_time_s", "reward_time_s", "reference_time_s", "update_time_s", "memory_mb"}
+
+
+def run_main(argv: list[str], capsys, with_stdout: bool = False):
+    """grpo.main() in this process, as the command line would run it: (exit code, stderr), or with stdout too."""
+    saved = sys.argv
+    sys.argv = ["grpo.py", *argv]
+    try:
+        grpo.main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        sys.argv = saved
+    captured = capsys.readouterr()
+    return (code, captured.out, captured.err) if with_stdout else (code, captured.err)
+
+
+def bad_rows_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUTS = {
+    "missing data file": (lambda tmp: ["--data-path", str(tmp / "nope.jsonl")], "does not exist"),
+    "invalid json": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": "1"}\n{oops\n')],
+                     "rows.jsonl:2: invalid JSON"),
+    "missing field": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1+1="}\n')],
+                      'rows.jsonl:1: each row needs a field "answer"'),
+    "wrong type": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": 3, "answer": "1"}\n')],
+                   'rows.jsonl:1: each row needs a string field "prompt"'),
+    "empty data set": (lambda tmp: ["--data-path", bad_rows_file(tmp, "\n\n")], "holds no rows"),
+    "prompt too long": (lambda tmp: ["--max-prompt-length", "4"], "longer than --max-prompt-length 4"),
+    "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "could not load model"),
+    "negative lora rank": (lambda tmp: ["--lora-r", "-1"], "--lora-r must be >= 0"),
+    "group of one": (lambda tmp: ["--group-size", "1"], "--group-size must be at least 2"),
+    "micro-batch larger than batch": (lambda tmp: ["--micro-batch-size", "1000"], "--micro-batch-size 1000 is larger"),
+    "dr_grpo without a length": (lambda tmp: ["--loss-type", "dr_grpo", "--max-new-tokens", "0"],
+                                 "--max-new-tokens must be at least 1"),
+    "delta inside the clip range": (lambda tmp: ["--delta", "1.1"], "--delta 1.1 must be above"),
+    "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "not a checkpoint written by grpo.py"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
+    flags, message = BAD_INPUTS[case]
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, *flags(tmp_path)], capsys)
+    assert code == 2, err
+    assert message in err
+    assert err.startswith("error: ") and err.count("\n") == 1  # one line, no traceback
+    assert not out.exists()  # nothing written
+
+
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    code, err = run_main(["--output-dir", str(out), *QUICK], capsys)
+    assert code == 2 and "already holds a run" in err and "--overwrite" in err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    code, _ = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "1", "--overwrite"], capsys)
+    assert code == 0 and len(read_metrics(out)) == 1
+
+
+def test_resume_refuses_another_scripts_or_models_checkpoint(tmp_path, capsys):
+    foreign = tmp_path / "checkpoint-3"
+    foreign.mkdir()
+    (foreign / "trainer_state.pt").write_bytes(b"")
+    (foreign / "args.json").write_text(json.dumps({"script": "prm.py"}))
+    code, err = run_main(["--output-dir", str(tmp_path / "a"), *QUICK, "--resume-from", str(foreign)], capsys)
+    assert code == 2 and "written by prm.py, not grpo.py" in err
+    (foreign / "args.json").write_text(json.dumps({"script": "grpo.py", **vars(grpo.Args(model="other"))}))
+    code, err = run_main(["--output-dir", str(tmp_path / "b"), *QUICK, "--resume-from", str(foreign)], capsys)
+    assert code == 2 and "--model 'other' there, 'tiny' here" in err
+
+
+def test_tokenizer_without_pad_token_falls_back_to_eos(tmp_path, capsys):
+    model_dir = save_tiny(tmp_path / "nopad")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    code, out, _ = run_main(["--output-dir", str(tmp_path / "out"), *QUICK, "--total-steps", "1", "--model",
+                             str(model_dir)], capsys, with_stdout=True)
+    assert code == 0
+    assert "has no pad token; using EOS ('<eos>') to pad" in out
+    assert len(read_metrics(tmp_path / "out")) == 1
+
+
+def test_reward_errors_are_reported_or_skipped(tmp_path, capsys, monkeypatch):
+    calls = {"n": 0}
+
+    def flaky_reward(completion: str, answer: str) -> float:
+        calls["n"] += 1
+        if calls["n"] % 5 == 0:
+            raise ZeroDivisionError("boom")
+        return float("nan") if calls["n"] % 7 == 0 else 1.0
+
+    monkeypatch.setattr(grpo, "answer_reward", flaky_reward)
+    code, err = run_main(["--output-dir", str(tmp_path / "a"), *QUICK, "--eval-every", "0", "--num-eval-prompts",
+                          "0"], capsys)
+    assert code == 2 and "reward answer failed on sample 4" in err and "ZeroDivisionError: boom" in err
+    assert "--reward-errors skip" in err
+    code, err = run_main(["--output-dir", str(tmp_path / "b"), *QUICK, "--num-eval-prompts", "0",
+                          "--reward-errors", "skip"], capsys)
+    assert code == 0
+    assert "returned nan" in err
+    metrics = read_metrics(tmp_path / "b")
+    assert all(row["reward_errors"] > 0 for row in metrics)
+    assert all(row["loss"] == row["loss"] for row in metrics)  # the failed samples left no NaN behind
+
+
+def test_non_finite_loss_skips_updates_then_stops(tmp_path, capsys, monkeypatch):
+    real_loss = grpo.grpo_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(grpo, "grpo_loss", nan_loss)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "10", "--max-bad-steps", "3"], capsys)
+    assert code == 2 and "3 updates in a row had a non-finite loss" in err
+    assert err.count("update skipped") == 3
+    assert len(read_metrics(out)) == 2  # steps 1 and 2 were logged (skipped), step 3 stopped the run
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
+    flags = [*QUICK, "--total-steps", "12", "--kl-coef", "0.05", "--num-iterations", "2"]
+    straight = tmp_path / "straight"
+    run_grpo(straight, *flags)
+
+    interrupted = tmp_path / "interrupted"
+    process = subprocess.Popen([sys.executable, "grpo.py", "--output-dir", str(interrupted), *flags],
+                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "WANDB_MODE": "disabled"})
+    metrics_file = interrupted / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=240)
+    assert process.returncode == 0, stderr
+    steps = grpo.checkpoint_steps(str(interrupted))
+    assert steps, stdout
+    assert "--resume-from" in stdout and not (interrupted / "final").exists()
+    stopped_at = steps[-1]
+    assert stopped_at < 12, "the run finished before the signal arrived; nothing was tested"
+
+    run_grpo(interrupted, *flags, "--resume-from", "latest")
+    resumed = read_metrics(interrupted)
+    assert [row["step"] for row in resumed] == list(range(1, 13))
+    assert comparable(resumed[stopped_at:]) == comparable(read_metrics(straight)[stopped_at:])
+    from safetensors.torch import load_file
+
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(interrupted / "final" / "model.safetensors")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_keep_checkpoints_keeps_the_newest(tmp_path):
+    out = tmp_path / "out"
+    run_grpo(out, *QUICK, "--total-steps", "4", "--save-every", "1", "--keep-checkpoints", "2")
+    assert grpo.checkpoint_steps(str(out)) == [3, 4]
+    assert not list(out.glob("*.tmp"))
+
+
+def test_two_processes_make_the_same_update_as_one(tmp_path):
+    flags = ["--total-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+             "--num-eval-prompts", "8", "--kl-coef", "0.05", "--loss-type", "grpo", "--learning-rate", "1e-3"]
+    single = tmp_path / "single"
+    run_grpo(single, *flags)
+    double = tmp_path / "double"
+    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "grpo.py", "--output-dir", str(double), *flags], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 0, process.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    one, two = load_file(single / "final" / "model.safetensors"), load_file(double / "final" / "model.safetensors")
+    assert max((one[name] - two[name]).abs().max().item() for name in one) < 1e-5
+    # and the update was not a no-op: the weights moved from their (seeded, identical) initial values
+    torch.manual_seed(1)
+    initial = grpo.build_tiny_model(grpo.build_tiny_tokenizer()).state_dict()
+    assert max((one[name] - initial[name]).abs().max().item() for name in one) > 5e-4  # Adam moves ~lr
+    assert read_metrics(single)[0]["reward"] == pytest.approx(read_metrics(double)[0]["reward"])
