@@ -26,6 +26,7 @@ Run it:
 """
 
 import copy
+import functools
 import json
 import math
 import os
@@ -43,7 +44,6 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 
 from common import RunLogger, print0, seed_everything
@@ -127,10 +127,13 @@ class Args:
     # Loss
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     """how token losses are aggregated (see grpo_loss)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)"""
-    kl_coef: float = 0.0
-    """weight of the KL penalty to the reference policy; 0 = no reference model at all"""
+    scale_rewards: Literal["group", "batch", "none"] = "batch"
+    """divide advantages by the group's reward std (the paper), the batch's, or not at all (Dr. GRPO). batch
+    keeps reward scales comparable across groups: with group, a group whose answers are all wrong turns a small
+    format-reward difference into full-size advantages (on the built-in task that collapses the policy)"""
+    kl_coef: float = 0.02
+    """weight of the KL penalty to the reference policy; 0 = no reference model at all (on the built-in task the
+    pull towards the near-uniform initial policy keeps sampling diverse enough to escape wrong answers)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator (k3 = exp(ref-logp) - (ref-logp) - 1, unbiased and always >= 0)"""
     clip_eps_low: float = 0.2
@@ -923,14 +926,17 @@ def train(args: Args) -> dict:
     encode_prompts(tokenizer, [r["prompt"] for r in train_rows], args.chat_template, args.max_prompt_length)
     reward_fns = make_reward_fns(args, device)
 
+    @functools.lru_cache(maxsize=2)
+    def epoch_order(epoch: int) -> np.ndarray:
+        return np.random.default_rng([args.seed, epoch]).permutation(len(train_rows))
+
     def prompts_for_step(step: int) -> tuple[list[int], list[dict]]:
         """This rank's share of a step's prompts, with their indices in the global batch. Each epoch is a fresh
         permutation seeded by (seed, epoch), so any step can be rebuilt from its number alone."""
         chosen = []
         for position in range(step * args.prompts_per_step, (step + 1) * args.prompts_per_step):
             epoch, index = divmod(position, len(train_rows))
-            order = np.random.default_rng([args.seed, epoch]).permutation(len(train_rows))
-            chosen.append(train_rows[order[index]])
+            chosen.append(train_rows[epoch_order(epoch)[index]])
         indices = list(range(rank, args.prompts_per_step, args.world_size))
         return indices, [chosen[i] for i in indices]
 
@@ -1070,9 +1076,9 @@ def train(args: Args) -> dict:
             dist.all_reduce(counts)
         total_tokens, total_sequences = counts[0].item(), int(counts[1].item())
         old_logp = torch.zeros_like(sampler_logp)
-        stat_sums: dict[str, float] = {}
+        stat_sums: dict[str, torch.Tensor] = {}  # token-weighted sums, kept on the device: no sync per micro-batch
         for iteration in range(args.num_iterations):
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), device=device)
             for mb in micro_batches:
                 logp, entropy = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb], completion_ids[mb],
                                                     completion_mask[mb], args.temperature, with_entropy=True)
@@ -1084,13 +1090,12 @@ def train(args: Args) -> dict:
                     loss_type=args.loss_type, max_completion_length=args.max_new_tokens, delta=args.delta,
                     kl_estimator=args.kl_estimator, total_sequences=total_sequences, total_tokens=total_tokens)
                 loss.backward()
-                loss_sum += loss.item()
+                loss_sum += loss.detach()
                 if iteration == args.num_iterations - 1:  # report the last iteration's view of the batch
-                    tokens = stats.pop("tokens").item()
-                    stats["entropy"] = (entropy * loss_mask[mb]).sum() / max(tokens, 1.0)
-                    for key, value in stats.items():
-                        stat_sums[key] = stat_sums.get(key, 0.0) + value.item() * tokens
-                    stat_sums["tokens"] = stat_sums.get("tokens", 0.0) + tokens
+                    tokens = stats.pop("tokens")
+                    stats["entropy"] = (entropy * loss_mask[mb]).sum() / tokens.clamp(min=1.0)
+                    for key, value in {**stats, "tokens": torch.ones(())}.items():
+                        stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
             # gradients: each process's loss is already divided by the global counts, so the sum is the mean
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
             if distributed:
@@ -1101,7 +1106,8 @@ def train(args: Args) -> dict:
                 m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
             grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
                                                        else float("inf"))
-            if math.isfinite(loss_sum) and torch.isfinite(grad_norm):
+            loss_value = loss_sum.item()
+            if math.isfinite(loss_value) and torch.isfinite(grad_norm):
                 optimizer.step()
                 bad_steps_in_a_row = 0
                 for p, m in zip(trainable, master):
@@ -1127,13 +1133,14 @@ def train(args: Args) -> dict:
         n_generated = int(completion_mask.sum())
         generated_tokens += n_generated
         trained_tokens += int(loss_mask.sum()) * args.num_iterations
+        stat_sums = {key: value.item() for key, value in stat_sums.items()}
         token_count = max(stat_sums.pop("tokens", 0.0), 1.0)
         local = {
             "reward": rewards.nanmean().item(),
             "reward_std": rewards[~failed].std().item() if (~failed).sum() > 1 else 0.0,
             **{f"reward_{name}": values.nanmean().item() for name, values in rewards_per_fn.items()},
             "accuracy": rewards_per_fn["answer"].nanmean().item() if "answer" in rewards_per_fn else float("nan"),
-            "loss": loss_sum,
+            "loss": loss_value,
             **{key: value / token_count for key, value in stat_sums.items()},
             "grad_norm": grad_norm.item(),
             "frac_zero_std_groups": zero_std_groups,

@@ -21,7 +21,7 @@ Where this file departs from the papers and from other trainers, and why:
    position-only baseline that ignores step content, to show what the model actually reads.
 
 Run it:
-    python prm.py                                      # tiny model, built-in stepwise task, CPU, about a minute
+    python prm.py                                      # tiny model, built-in stepwise task, CPU, under a minute
     python prm.py --loss-kind mse --lora-r 8           # any flag: python prm.py --help
     python prm.py --model Qwen/Qwen2.5-0.5B --data-path steps.jsonl --eval-data-path steps_eval.jsonl \\
         --lora-r 16 --learning-rate 1e-4 --step-separator $'\\n\\n' --output-dir runs/qwen-prm
@@ -76,14 +76,13 @@ class Args:
     trust_remote_code: bool = False
     """allow code from the model repository to run (off: only enable for repositories you trust)"""
     data_path: Optional[str] = None
-    """JSONL training rows {"prompt": str, "completions": [str, ...], "labels": [bool or 0..1, ...]};
-    None = the built-in task"""
+    """JSONL training rows {"prompt": str, "completions": [steps], "labels": [bool or 0..1]}; None = built-in"""
     eval_data_path: Optional[str] = None
     """JSONL held-out rows in the same format; None = the built-in eval set, or no eval with --data-path"""
     num_eval_rows: int = 500
     """at most this many held-out rows are evaluated"""
     num_val_rows: int = 200
-    """rows held out of the training data (never trained on) to choose the first-error threshold; 0 = 0.5"""
+    """training rows held out (at most a tenth) to choose the first-error threshold on; 0 = a fixed 0.5"""
     step_separator: str = "\n"
     """appended to every step, the last one included; the step's label sits on its last token"""
     max_length: int = 1024
@@ -137,8 +136,7 @@ class Args:
     score_data_path: Optional[str] = None
     """JSONL rows {"prompt", "completions"} to score: with the saved --prm-path, or after training"""
     scores_output: Optional[str] = None
-    """where the scores go: the input rows plus "scores", one per kept step (default after training:
-    {output_dir}/scores.jsonl)"""
+    """where the scores go (each input row plus "scores"); None after training = {output_dir}/scores.jsonl"""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """backbone weights and compute dtype (the head is always fp32); auto = bfloat16 on CUDA when supported"""
     device: str = "auto"
@@ -231,7 +229,7 @@ def first_error_f1(step_scores: list, step_labels: list, threshold: float) -> tu
     Returns (f1, acc_err, acc_corr); an accuracy over no solutions, and then F1, is NaN.
     """
     hits = {True: [], False: []}  # keyed by "the solution has an error"
-    for scores, labels in zip(step_scores, step_labels):
+    for scores, labels in zip(step_scores, step_labels, strict=True):
         truth = first_below(labels, 0.5)
         hits[truth >= 0].append(first_below(scores, threshold) == truth)
     acc_err = float(np.mean(hits[True])) if hits[True] else float("nan")
@@ -493,7 +491,7 @@ def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_rem
     except OSError as error:
         raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
                         f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
-    if tokenizer.pad_token_id is None:  # only padding uses it, and padding is never attended to
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:  # pads are never attended to: any id does
         tokenizer.pad_token = tokenizer.eos_token
     return backbone, tokenizer
 
@@ -675,7 +673,8 @@ def evaluate(scores: list[list[float]], labels: list[list[float]], threshold: fl
     """Step accuracy at 0.5, step AUROC and first-error F1 at the given threshold, over held-out solutions."""
     flat_scores = [s for row in scores for s in row]
     flat_labels = [y for row in labels for y in row]
-    return {"eval_step_accuracy": step_accuracy(flat_scores, flat_labels), "eval_auroc": auroc(flat_scores, flat_labels),
+    return {"eval_step_accuracy": step_accuracy(flat_scores, flat_labels),
+            "eval_auroc": auroc(flat_scores, flat_labels),
             "eval_first_error_f1": first_error_f1(scores, labels, threshold)[0],
             "eval_first_error_threshold": threshold}
 
@@ -692,7 +691,7 @@ def write_scores(path: str, rows: list[dict], scores: list[list[float]]) -> None
     """The input rows with a "scores" list each (one per kept step), written atomically."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        for row, row_scores in zip(rows, scores):
+        for row, row_scores in zip(rows, scores, strict=True):
             f.write(json.dumps({**row, "scores": row_scores}) + "\n")
     os.replace(path + ".tmp", path)
 
@@ -709,7 +708,7 @@ def score_file(args: Args) -> dict:
     scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows], args.eval_batch_size)
     write_scores(args.scores_output, rows, scores)
     summary = {"rows": len(rows), "skipped_rows": skipped, "scored_steps": sum(len(s) for s in scores),
-               "dropped_steps": sum(len(r["completions"]) - len(s) for r, s in zip(rows, scores)),
+               "dropped_steps": sum(len(r["completions"]) - len(s) for r, s in zip(rows, scores, strict=True)),
                "time_s": time.perf_counter() - start}
     print0(f"scored {summary['scored_steps']} steps of {len(rows)} rows into {args.scores_output} "
            f"({summary['dropped_steps']} steps truncated away, {skipped} rows skipped)")
@@ -777,7 +776,8 @@ def train(args: Args) -> dict:
     prm.to(device).train()
     if args.gradient_checkpointing:
         prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    tokenizer, pad_id = prm.tokenizer, prm.tokenizer.pad_token_id
+    tokenizer = prm.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # pads are never attended to
 
     # ---- tokenisation, once; steps that do not fit are dropped and counted
     dropped_steps = dropped_rows = 0
@@ -812,8 +812,9 @@ def train(args: Args) -> dict:
     # bf16 weights round away updates smaller than ~1/256 of the weight; the optimiser steps fp32 master
     # copies and writes them back (LoRA adapters and the head are already fp32)
     master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in trainable]
+    # fused: one kernel for every parameter (4-5x faster than the per-tensor loop torch picks on CPU)
     optimizer = torch.optim.AdamW(master, lr=args.learning_rate, betas=args.adam_betas,
-                                  weight_decay=args.weight_decay, eps=1e-8)
+                                  weight_decay=args.weight_decay, eps=1e-8, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, args.total_steps))
     os.makedirs(output_dir, exist_ok=True)
     console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "eval_auroc",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import grpo
-from test_grpo_runs import QUICK, REPO_ROOT, read_metrics, run_grpo, save_tiny, write_rows
+from test_grpo_runs import QUICK, REPO_ROOT, read_metrics, run_grpo, save_tiny
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
 TIMING_KEYS = {"step_time_s", "generation_time_s", "reward_time_s", "reference_time_s", "update_time_s", "memory_mb"}

@@ -57,7 +57,7 @@ SUMMARY_KEYS = {"steps", "total_time_s", "step_time_s_mean", "generation_time_s"
 
 def test_default_task_few_steps(tmp_path):
     out = tmp_path / "run"
-    process = run_grpo(out, *QUICK)
+    process = run_grpo(out, *QUICK, "--kl-coef", "0")
     summary = read_summary(out)
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["steps"] == 3 and summary["peak_memory_mb"] > 0 and summary["generated_tokens_per_s"] > 0
@@ -70,6 +70,7 @@ def test_default_task_few_steps(tmp_path):
     assert all(row["ratio_mean"] == pytest.approx(1.0) and row["clip_frac_low"] == 0 for row in metrics)
     # the training pass and the sampler see the same tokens with the same weights: log-probs agree
     assert all(row["logp_gap_max"] < 1e-4 for row in metrics)
+    assert all(row["kl_mean"] == 0 for row in metrics)  # --kl-coef 0: no reference policy at all
     assert "step 3" in process.stdout and "summary" in process.stdout
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

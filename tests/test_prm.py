@@ -29,7 +29,8 @@ def run_prm(*flags: str, expect_rc: int = 0, timeout: int = 600) -> subprocess.C
     # can make a step 100x slower.
     process = subprocess.run([sys.executable, "prm.py", *flags], cwd=REPO_ROOT, capture_output=True, text=True,
                              timeout=timeout, env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
-    assert process.returncode == expect_rc, f"rc {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-3000:]}"
+    assert process.returncode == expect_rc, (f"rc {process.returncode}\n{process.stdout[-3000:]}\n"
+                                             f"{process.stderr[-3000:]}")
     return process
 
 
@@ -237,7 +238,8 @@ def test_auroc_matches_pairwise_count_with_many_ties():
     scores = rng.integers(0, 5, 200) / 4  # five distinct values: ties everywhere
     labels = rng.random(200) < 0.6
     pos, neg = scores[labels], scores[~labels]
-    pairwise = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    pairwise = wins / (len(pos) * len(neg))
     assert prm.auroc(scores, labels.astype(float)) == pytest.approx(pairwise)
 
 
@@ -256,7 +258,8 @@ def test_first_error_f1_by_hand():
 
 def test_choose_threshold_finds_the_best_f1():
     rng = np.random.default_rng(1)
-    labels = [[1.0] * k + [0.0] * (n - k) for n, k in zip(rng.integers(1, 6, 80), rng.integers(0, 6, 80))]
+    lengths, first_errors = rng.integers(1, 6, 80), rng.integers(0, 6, 80)
+    labels = [[1.0] * min(k, n) + [0.0] * (n - min(k, n)) for n, k in zip(lengths, first_errors, strict=True)]
     scores = [[float(np.clip(y * 0.6 + rng.normal(0.2, 0.2), 0, 1)) for y in row] for row in labels]
     chosen = prm.choose_threshold(scores, labels)
     grid_best = max(prm.first_error_f1(scores, labels, t)[0] for t in np.linspace(-0.1, 1.1, 1201))
@@ -310,9 +313,10 @@ def test_bad_rows_are_named(tmp_path, line, problem):
 
 
 def test_scoring_rows_need_no_labels(tmp_path):
-    path = write_rows(tmp_path / "rows.jsonl", [{"prompt": "p", "completions": []}, {"prompt": "q", "completions": ["a"]}])
-    rows, _ = prm.load_jsonl_rows(str(path), need_labels=False)
-    assert rows == [{"prompt": "p", "completions": []}, {"prompt": "q", "completions": ["a"]}]
+    rows = [{"prompt": "p", "completions": []}, {"prompt": "q", "completions": ["a"]}]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    loaded, _ = prm.load_jsonl_rows(str(path), need_labels=False)
+    assert loaded == rows
     with pytest.raises(prm.UserError, match="does not exist"):
         prm.load_jsonl_rows(str(tmp_path / "missing.jsonl"))
 
@@ -339,10 +343,10 @@ def test_scores_do_not_depend_on_batching():
     model, _ = prm.build_prm(prm.Args(), torch.float32)
     rows = builtin_rows(12)
     prompts, steps = [r["prompt"] for r in rows], [r["completions"] for r in rows]
-    one_by_one = [prm.score_steps(model, [p], [s])[0] for p, s in zip(prompts, steps)]
+    one_by_one = [prm.score_steps(model, [p], [s])[0] for p, s in zip(prompts, steps, strict=True)]
     batched = prm.score_steps(model, prompts, steps, batch_size=5)
     assert [len(s) for s in batched] == [len(s) for s in steps]
-    for a, b in zip(one_by_one, batched):
+    for a, b in zip(one_by_one, batched, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
@@ -388,13 +392,13 @@ def test_save_reload_and_score_command_give_the_training_scores(tmp_path):
     reloaded = read_jsonl(scored_file)
     assert [r["prompt"] for r in reloaded] == [r["prompt"] for r in rows]
     assert [len(r["scores"]) for r in reloaded] == [len(r["completions"]) for r in rows[:6]] + [0, 0, 3]
-    for a, b in zip(trained, reloaded):
+    for a, b in zip(trained, reloaded, strict=True):
         np.testing.assert_allclose(a["scores"], b["scores"], rtol=0, atol=1e-6)
     assert all(0.0 < s < 1.0 for r in reloaded for s in r["scores"])  # bce scores are probabilities
     # and from Python, with the same numbers
     model = prm.load_prm(str(out / "final"), device="cpu")
     scores = prm.score_steps(model, [r["prompt"] for r in rows], [r["completions"] for r in rows], batch_size=4)
-    for a, b in zip(scores, reloaded):
+    for a, b in zip(scores, reloaded, strict=True):
         np.testing.assert_allclose(a, b["scores"], rtol=0, atol=1e-6)
 
 
@@ -421,7 +425,7 @@ def test_lora_on_a_saved_and_reloaded_tiny_model(tmp_path):
     assert config["lora"] and config["backbone"] == str(base.resolve())
     model = prm.load_prm(str(final), device="cpu")
     scores = prm.score_steps(model, [r["prompt"] for r in builtin_rows(5)], [r["completions"] for r in builtin_rows(5)])
-    for a, b in zip(scores, read_jsonl(out / "scores.jsonl")):
+    for a, b in zip(scores, read_jsonl(out / "scores.jsonl"), strict=True):
         np.testing.assert_allclose(a, b["scores"], rtol=0, atol=1e-6)
 
 
@@ -435,7 +439,7 @@ def test_lora_on_the_tiny_model_saves_its_base(tmp_path):
     assert (final / "base" / "model.safetensors").is_file() and (final / "adapter_model.safetensors").is_file()
     model = prm.load_prm(str(final), device="cpu")
     scores = prm.score_steps(model, [r["prompt"] for r in rows], [r["completions"] for r in rows])
-    for a, b in zip(scores, read_jsonl(tmp_path / "run" / "scores.jsonl")):
+    for a, b in zip(scores, read_jsonl(tmp_path / "run" / "scores.jsonl"), strict=True):
         np.testing.assert_allclose(a, b["scores"], rtol=0, atol=1e-6)
 
 
@@ -444,7 +448,7 @@ def test_mse_loss_regresses_the_raw_output(tmp_path):
     run_prm("--output-dir", str(out), "--loss-kind", "mse", "--total-steps", "25", "--batch-size", "16",
             "--eval-every", "0", "--num-eval-rows", "40", "--num-val-rows", "20", "--warmup-steps", "0")
     losses = [row["loss"] for row in read_metrics(out)]
-    # the head starts near 0 against labels that are mostly 1: the squared error falls as it learns the mean
+    # a random head's raw outputs are far from the 0/1 labels: regression brings the squared error well down
     assert np.mean(losses[-5:]) < 0.5 * losses[0]
     assert json.loads((out / "final" / "prm_config.json").read_text())["loss_kind"] == "mse"
 
