@@ -873,6 +873,8 @@ def train(args: Args) -> dict:
         timestamp = int(stamp.item())
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{timestamp}"
     output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UserError(f"--output-dir {output_dir} exists and is not a directory")
     resume_path = resolve_resume(args, output_dir)
     if resume_path is None and os.path.isfile(os.path.join(output_dir, "metrics.jsonl")) and not args.overwrite:
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
@@ -1043,7 +1045,13 @@ def train(args: Args) -> dict:
         failed = torch.isnan(rewards)
         group_means = torch.nanmean(rewards.view(-1, args.group_size), dim=1).nan_to_num(0.0)
         filled = torch.where(failed, group_means.repeat_interleave(args.group_size), rewards)
-        advantages = group_advantages(filled, args.group_size, args.scale_rewards).to(device)  # [B]
+        if distributed and args.scale_rewards == "batch":  # the batch std is over every process's rewards
+            everyone = [torch.empty(local_batch, device=device) for _ in range(args.world_size)]
+            dist.all_gather(everyone, filled.to(device))
+            advantages = group_advantages(torch.cat(everyone), args.group_size, "batch")
+            advantages = advantages[rank * local_batch:(rank + 1) * local_batch]  # [B]
+        else:
+            advantages = group_advantages(filled, args.group_size, args.scale_rewards).to(device)  # [B]
         loss_mask = completion_mask.clone()
         loss_mask[failed.to(device)] = 0
         if args.mask_truncated_completions:
@@ -1217,6 +1225,7 @@ def train(args: Args) -> dict:
     logger.summary(summary, output_dir)
     logger.close()
     if distributed:
+        dist.barrier()  # rank 0 may still be saving: leaving early would tear the process group down under it
         dist.destroy_process_group()
     return summary
 

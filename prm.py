@@ -19,6 +19,12 @@ Where this file departs from the papers and from other trainers, and why:
 5. Metrics: step accuracy at 0.5, step AUROC, and ProcessBench's first-error F1 (https://arxiv.org/abs/2412.06559)
    with its threshold chosen on validation rows that are never trained on; plus the same figures for a
    position-only baseline that ignores step content, to show what the model actually reads.
+6. Runs survive interruption: `--save-every N` writes checkpoint-STEP/ atomically, SIGINT/SIGTERM end the current
+   step and write one, and `--resume-from` continues to the same metrics and weights as an uninterrupted run (the
+   batch order is a permutation seeded per epoch, so the step number alone rebuilds the data position).
+7. Under torchrun, rows are sharded by rank and the loss of every micro-batch is divided by the global count of
+   labelled steps, so one gradient all-reduce per step gives exactly the single-process update on the same batch.
+   This is the same design as grpo.py's (the two scripts are deliberately self-contained, so it is repeated).
 
 Run it:
     python prm.py                                      # tiny model, built-in stepwise task, CPU, under a minute
@@ -27,17 +33,21 @@ Run it:
         --lora-r 16 --learning-rate 1e-4 --step-separator $'\\n\\n' --output-dir runs/qwen-prm
     python prm.py --prm-path runs/qwen-prm/final --score-data-path rows.jsonl --scores-output scores.jsonl
     torchrun --standalone --nproc_per_node 8 prm.py --model Qwen/Qwen2.5-0.5B --data-path steps.jsonl
+    python prm.py --output-dir runs/r --save-every 50 ...; python prm.py --output-dir runs/r ... --resume-from latest
 From Python: `prm = load_prm("runs/qwen-prm/final"); score_steps(prm, prompts, steps)`.
 """
 
 import copy
 import functools
+import hashlib
 import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -60,7 +70,8 @@ class Args:
     seed: int = 1
     """seed of the experiment: model init, built-in data and batch order all follow from it"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl, summary.json and final/ go (default: runs/{run_name})"""
+    """where metrics.jsonl, summary.json, checkpoints and final/ go (default: runs/{run_name}, or the folder of the
+    --resume-from checkpoint)"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works; a failure to start is a warning, not a crash)"""
     wandb_project_name: str = "prm"
@@ -131,6 +142,14 @@ class Args:
     """held-out metrics every this many steps (0 = only at the start and the end)"""
     eval_batch_size: int = 64
     """rows per forward pass in evaluation and scoring"""
+    save_every: int = 0
+    """write a checkpoint every this many steps (0 = only when stopped by a signal, and the final model)"""
+    resume_from: Optional[str] = None
+    """a checkpoint-STEP directory written by this script, or `latest` (the newest in --output-dir), to continue"""
+    keep_checkpoints: int = 2
+    """how many checkpoint-STEP directories to keep (older ones are deleted)"""
+    overwrite: bool = False
+    """replace a run already in --output-dir (otherwise that is an error, unless resuming)"""
     prm_path: Optional[str] = None
     """score with this saved PRM (a final/ directory) instead of training; needs --score-data-path"""
     score_data_path: Optional[str] = None
@@ -143,6 +162,9 @@ class Args:
     """auto = cuda when available, else cpu"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, about 30% more compute)"""
+    fsdp: bool = False
+    """shard parameters, gradients and optimiser state with FSDP2 (CUDA only). Not implemented in prm.py yet: the
+    flag is refused with an error rather than ignored; without it, every process holds the whole model"""
     peak_tflops: float = 0.0
     """peak dense bf16 TFLOP/s of one device, for MFU; 0 = guess from the CUDA device name"""
 
@@ -346,26 +368,35 @@ def parse_row(line: str, need_labels: bool) -> dict:
 
 def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool = False) -> tuple[list[dict], int]:
     """Rows of a JSONL file and the number skipped. An invalid row is an error naming the file and line, or,
-    with skip_bad_rows, a warning and a count."""
-    if not os.path.isfile(path):
-        raise UserError(f"data file {path!r} does not exist; pass a JSONL file of "
-                        '{"prompt", "completions", "labels"} rows')
+    with skip_bad_rows, a warning and a count. A file that cannot be read at all is an error either way."""
+    what = '{"prompt", "completions", "labels"}' if need_labels else '{"prompt", "completions"}'
+    if not os.path.exists(path):
+        raise UserError(f"data file {path!r} does not exist; pass a JSONL file of {what} rows")
+    if os.path.isdir(path):
+        raise UserError(f"data file {path!r} is a directory; pass a JSONL file of {what} rows")
     rows, skipped = [], 0
-    with open(path) as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(parse_row(line, need_labels))
-            except ValueError as problem:
-                if not skip_bad_rows:
-                    raise UserError(f"{path}:{line_number}: {problem} (--skip-bad-rows skips such rows)") from None
-                skipped += 1
-                print0(f"warning: skipped {path}:{line_number}: {problem}", file=sys.stderr, enabled=skipped <= 5)
+    try:
+        with open(path, "rb") as f:  # bytes, decoded line by line: a non-UTF-8 line is reported with its number
+            for line_number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                    if not line.strip():
+                        continue
+                    rows.append(parse_row(line, need_labels))
+                except (UnicodeDecodeError, ValueError) as problem:
+                    if isinstance(problem, UnicodeDecodeError):
+                        problem = "not UTF-8 text (is this a JSONL file?)"
+                    if not skip_bad_rows:
+                        raise UserError(f"{path}:{line_number}: {problem} (--skip-bad-rows skips such rows)") from None
+                    skipped += 1
+                    print0(f"warning: skipped {path}:{line_number}: {problem}", file=sys.stderr, enabled=skipped <= 5)
+    except OSError as error:
+        raise UserError(f"cannot read data file {path!r}: {error.strerror or error}") from None
     if skipped:
         print0(f"warning: skipped {skipped} invalid rows of {path}", file=sys.stderr)
     if not rows:
-        raise UserError(f"{path} holds no valid rows")
+        raise UserError(f"{path} holds no valid rows" + (f" ({skipped} skipped as invalid)" if skipped else
+                                                          f"; it needs JSONL {what} rows, one per line"))
     return rows, skipped
 
 
@@ -491,8 +522,17 @@ def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_rem
     except OSError as error:
         raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
                         f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
-    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:  # pads are never attended to: any id does
-        tokenizer.pad_token = tokenizer.eos_token
+    except ValueError as error:  # e.g. a config of an architecture this transformers version does not know
+        raise UserError(f"could not load model {name_or_path!r} with AutoModel: {str(error).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:  # pads are never attended to (right padding, masked): any id will do
+        notify = int(os.environ.get("RANK", 0)) == 0  # one note per run, not one per process
+        if tokenizer.eos_token is not None:
+            print0(f"note: the tokenizer of {name_or_path} has no pad token; using EOS ({tokenizer.eos_token!r}) "
+                   "to pad", enabled=notify)
+            tokenizer.pad_token = tokenizer.eos_token
+        else:
+            print0(f"note: the tokenizer of {name_or_path} has neither a pad nor an EOS token; padding with id 0",
+                   enabled=notify)
     return backbone, tokenizer
 
 
@@ -542,22 +582,28 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
     return ProcessRewardModel(backbone, hidden_size, tokenizer, config), base_copy
 
 
+def write_prm(directory: str, prm: ProcessRewardModel, base_backbone=None) -> None:
+    """The saved-PRM files, written into `directory` (see save_prm); checkpoints hold the same files."""
+    from safetensors.torch import save_file
+
+    # one weights file, so that resuming reads it back whole; the backbone alone is what AutoModel reloads
+    prm.backbone.save_pretrained(directory, max_shard_size="1000GB")
+    if base_backbone is not None:
+        base_backbone.save_pretrained(os.path.join(directory, "base"), max_shard_size="1000GB")
+    prm.tokenizer.save_pretrained(directory)
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in prm.head.state_dict().items()},
+              os.path.join(directory, "reward_head.safetensors"))
+    with open(os.path.join(directory, "prm_config.json"), "w") as f:
+        json.dump(prm.config, f, indent=2)
+
+
 def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None) -> None:
     """final/: the backbone (full fine-tuning) or the LoRA adapter, reward_head.safetensors, the tokenizer and
     prm_config.json. A base that cannot be reloaded by name (the random-init tiny model) is saved under base/.
     Written to a temporary directory, then renamed: a crash mid-write leaves any previous version intact."""
-    from safetensors.torch import save_file
-
     temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
-    prm.backbone.save_pretrained(temporary)
-    if base_backbone is not None:
-        base_backbone.save_pretrained(os.path.join(temporary, "base"))
-    prm.tokenizer.save_pretrained(temporary)
-    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in prm.head.state_dict().items()},
-              os.path.join(temporary, "reward_head.safetensors"))
-    with open(os.path.join(temporary, "prm_config.json"), "w") as f:
-        json.dump(prm.config, f, indent=2)
+    write_prm(temporary, prm, base_backbone)
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(temporary, path)

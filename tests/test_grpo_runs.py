@@ -191,3 +191,23 @@ def test_default_run_learns_the_task(tmp_path):
     summary = read_summary(out)
     assert summary["eval_accuracy_start"] <= 0.3
     assert summary["eval_accuracy_end"] >= 0.9
+
+
+def test_prm_reward_from_a_trained_prm(tmp_path):
+    prm_dir = tmp_path / "prm"
+    process = subprocess.run([sys.executable, "prm.py", "--output-dir", str(prm_dir), "--total-steps", "3",
+                              "--eval-every", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "WANDB_MODE": "disabled"})
+    assert process.returncode == 0, process.stderr[-2000:]
+    out = tmp_path / "run"
+    run_grpo(out, *QUICK, "--prm-path", str(prm_dir / "final"), "--prm-aggregate", "prod",
+             "--answer-reward-weight", "0", "--format-reward-weight", "0")
+    for row in read_metrics(out):
+        assert 0.0 <= row["reward_prm"] <= 1.0  # a product of step probabilities
+        assert row["reward"] == pytest.approx(row["reward_prm"])  # the PRM alone is the reward
+        assert "reward_answer" not in row
+    both = tmp_path / "both"
+    run_grpo(both, *QUICK, "--prm-path", str(prm_dir / "final"), "--prm-weight", "0.5")
+    for row in read_metrics(both):
+        expected = row["reward_answer"] + 0.1 * row["reward_format"] + 0.5 * row["reward_prm"]
+        assert row["reward"] == pytest.approx(expected, abs=1e-5)
