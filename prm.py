@@ -40,6 +40,7 @@ From Python: `prm = load_prm("runs/qwen-prm/final"); score_steps(prm, prompts, s
 import copy
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -50,6 +51,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
@@ -516,6 +518,9 @@ def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_rem
     if name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer()
         return build_tiny_backbone(tokenizer).to(dtype), tokenizer
+    if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        raise UserError(f"could not load model {name_or_path!r}: the directory holds no config.json (a model saved "
+                        "with save_pretrained has one)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         backbone = AutoModel.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -523,9 +528,9 @@ def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_rem
         raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
                         f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
     except ValueError as error:  # e.g. a config of an architecture this transformers version does not know
-        raise UserError(f"could not load model {name_or_path!r} with AutoModel: {str(error).splitlines()[0]}") from None
+        raise UserError(f"could not load model {name_or_path!r}: {str(error).strip().splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:  # pads are never attended to (right padding, masked): any id will do
-        notify = int(os.environ.get("RANK", 0)) == 0  # one note per run, not one per process
+        notify = os.environ.get("RANK", "0") == "0"  # one note per run, not one per process
         if tokenizer.eos_token is not None:
             print0(f"note: the tokenizer of {name_or_path} has no pad token; using EOS ({tokenizer.eos_token!r}) "
                    "to pad", enabled=notify)
@@ -677,6 +682,202 @@ def score_steps(prm: ProcessRewardModel, prompts: list[str], steps: list[list[st
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Checkpoints, resuming, flag checks
+
+
+def rng_state() -> dict:
+    """The global generators' states, as tensors and plain tuples (loadable with weights_only=True). The batch
+    order needs none: it is a permutation seeded by (seed, epoch), rebuilt from the step number."""
+    numpy_state = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (numpy_state[0], torch.from_numpy(numpy_state[1].copy()),
+                                                    *numpy_state[2:]),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states(distributed: bool, world_size: int) -> list[dict]:
+    """Every process's RNG states, indexed by rank: dropout draws differ between ranks, so each rank gets its own
+    back on resume. Under torchrun this is a collective: every rank must call it."""
+    if not distributed:
+        return [rng_state()]
+    # sent as torch.save bytes: all_gather_object's own unpickling cannot rebuild the CPU tensors in the states
+    buffer = io.BytesIO()
+    torch.save(rng_state(), buffer)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, buffer.getvalue())
+    return [torch.load(io.BytesIO(data), weights_only=True) for data in gathered]
+
+
+def save_checkpoint(path: str, prm: ProcessRewardModel, base_backbone, args: Args, trainer_state: dict) -> None:
+    """checkpoint-STEP/: the saved-PRM files (so a checkpoint also loads with load_prm), args.json and
+    trainer_state.pt. Written to a temporary directory, then renamed: a crash mid-write leaves any previous
+    version intact, and checkpoint_steps never counts a half-written one."""
+    temporary = path.rstrip("/") + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    write_prm(temporary, prm, base_backbone)
+    with open(os.path.join(temporary, "args.json"), "w") as f:
+        json.dump({"script": "prm.py", **asdict(args)}, f, indent=2)
+    torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(temporary, path)
+
+
+def checkpoint_steps(output_dir: str) -> list[int]:
+    """Steps of the complete checkpoints in output_dir, oldest first (a *.tmp left by a crash is not one)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(int(name.split("-")[1]) for name in os.listdir(output_dir)
+                  if re.fullmatch(r"checkpoint-\d+", name) and os.path.isfile(
+                      os.path.join(output_dir, name, "trainer_state.pt")))
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "scores.jsonl", "final", "final.tmp")
+
+
+def holds_run(output_dir: str) -> bool:
+    """Whether output_dir already holds (part of) a run of this script."""
+    return any(os.path.exists(os.path.join(output_dir, name)) for name in RUN_FILES[:4]) or bool(
+        checkpoint_steps(output_dir))
+
+
+def clear_run(output_dir: str) -> None:
+    """--overwrite: remove the files a run writes, and only those (--output-dir may hold other things)."""
+    if not os.path.isdir(output_dir):
+        return
+    for name in os.listdir(output_dir):
+        if name in RUN_FILES or re.fullmatch(r"checkpoint-\d+(\.tmp)?", name):
+            target = os.path.join(output_dir, name)
+            shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+
+
+# what a checkpoint must agree on with the run that resumes from it: the model and its shape, the training rows and
+# their split, the loss, and the batch (the number of processes may change: the update does not depend on it)
+RESUME_MUST_MATCH = ("model", "data_path", "num_val_rows", "step_separator", "max_length", "lora_r", "lora_alpha",
+                     "lora_target_modules", "loss_kind", "batch_size", "seed")
+
+
+def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
+    """The checkpoint directory to resume from (`latest` = the newest in --output-dir), checked against args."""
+    if args.resume_from is None:
+        return None
+    path = args.resume_from
+    if path == "latest":
+        steps = checkpoint_steps(output_dir)
+        if not steps:
+            raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir}")
+        path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
+    args_file = os.path.join(path, "args.json")
+    if not os.path.isfile(args_file) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        raise UserError(f"--resume-from {path}: not a checkpoint written by prm.py (no args.json and "
+                        "trainer_state.pt in it)")
+    try:
+        with open(args_file) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        raise UserError(f"--resume-from {path}: cannot read its args.json ({error})") from None
+    if not isinstance(saved, dict) or saved.get("script") != "prm.py":
+        script = saved.get("script") if isinstance(saved, dict) else None
+        raise UserError(f"--resume-from {path}: this checkpoint was written by {script or 'another program'}, "
+                        "not prm.py")
+    different = [f"--{key.replace('_', '-')} {saved.get(key)!r} there, {getattr(args, key)!r} here"
+                 for key in RESUME_MUST_MATCH if saved.get(key) != getattr(args, key)]
+    if different:
+        raise UserError(f"--resume-from {path}: the checkpoint's run differs from this one ({'; '.join(different)}); "
+                        "resume with the same settings")
+    return path
+
+
+def load_checkpoint_weights(prm: ProcessRewardModel, path: str, model_name: str) -> None:
+    """The backbone (or its LoRA adapter) and the head of a checkpoint, into a freshly built PRM; weights that do
+    not fit it (a checkpoint of another model) are an error. safetensors only: no pickle is ever run."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        if prm.config["lora"]:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(prm.backbone, load_file(os.path.join(path, "adapter_model.safetensors")))
+            missing = [name for name in result.missing_keys if "lora_" in name]  # base weights are not in it
+            unexpected = list(result.unexpected_keys)
+        else:
+            result = prm.backbone.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
+            tied = {name for name, _ in prm.backbone.named_parameters(remove_duplicate=False)} - set(
+                dict(prm.backbone.named_parameters()))  # tied weights are saved once
+            missing, unexpected = sorted(set(result.missing_keys) - tied), list(result.unexpected_keys)
+        prm.head.load_state_dict(load_file(os.path.join(path, "reward_head.safetensors")))
+    except (OSError, RuntimeError, ValueError, SafetensorError) as error:  # missing file, shape mismatch, corrupt
+        raise UserError(f"--resume-from {path}: its weights do not load into {model_name} "
+                        f"({str(error).strip().splitlines()[0]})") from None
+    if missing or unexpected:
+        raise UserError(f"--resume-from {path}: its weights do not fit {model_name} (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
+
+
+def load_trainer_state(path: str) -> dict:
+    """trainer_state.pt, with weights_only=True: tensors and plain containers only, no arbitrary pickle."""
+    try:
+        return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    except Exception as error:  # torch.load raises many kinds (EOFError, UnpicklingError, RuntimeError) on bad files
+        raise UserError(f"--resume-from {path}: cannot read trainer_state.pt ({type(error).__name__}: "
+                        f"{str(error).strip().splitlines()[0] if str(error).strip() else 'corrupt file'})") from None
+
+
+def data_fingerprint(*row_lists: list[dict]) -> str:
+    """A short hash of the training and validation rows: resuming on a changed data file is an error."""
+    return hashlib.sha256(json.dumps(row_lists, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def validate_args(args: Args, world_size: int, device: torch.device) -> None:
+    """Flags that contradict each other stop the run before anything is loaded or written."""
+    def check(condition: bool, message: str) -> None:
+        if not condition:
+            raise UserError(message)
+
+    check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
+    check(0.0 <= args.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    check(bool(args.step_separator), "--step-separator must not be empty: each step's label sits on its "
+          "separator's last token")
+    check(args.max_length >= 1, f"--max-length must be at least 1, got {args.max_length}")
+    check(args.epochs is None or args.epochs > 0, f"--epochs must be > 0, got {args.epochs}")
+    check(args.total_steps >= 1, f"--total-steps must be at least 1, got {args.total_steps}")
+    check(args.batch_size >= 1, f"--batch-size must be at least 1, got {args.batch_size}")
+    check(args.batch_size % world_size == 0, f"--batch-size {args.batch_size} must be divisible by the number of "
+          f"processes ({world_size})")
+    check(args.micro_batch_size >= 0, "--micro-batch-size must be >= 0 (0 = the whole local batch at once)")
+    local_batch = args.batch_size // world_size
+    check(args.micro_batch_size <= local_batch, f"--micro-batch-size {args.micro_batch_size} is larger than the "
+          f"batch of {local_batch} rows per process (--batch-size / processes)")
+    check(args.learning_rate >= 0 and args.weight_decay >= 0 and args.max_grad_norm >= 0,
+          "--learning-rate, --weight-decay and --max-grad-norm must be >= 0")
+    check(all(0.0 <= beta < 1.0 for beta in args.adam_betas), f"--adam-betas must be in [0, 1), got {args.adam_betas}")
+    check(args.warmup_steps >= 0 and args.eval_every >= 0 and args.save_every >= 0,
+          "--warmup-steps, --eval-every and --save-every must be >= 0")
+    check(args.num_eval_rows >= 0 and args.num_val_rows >= 0, "--num-eval-rows and --num-val-rows must be >= 0")
+    check(args.eval_batch_size >= 1, f"--eval-batch-size must be at least 1, got {args.eval_batch_size}")
+    check(args.max_bad_steps >= 1, f"--max-bad-steps must be at least 1, got {args.max_bad_steps}")
+    check(args.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1 (the newest is what resuming "
+          f"needs), got {args.keep_checkpoints}")
+    check(args.resume_from != "latest" or args.output_dir is not None,
+          "--resume-from latest looks in --output-dir: give the run's --output-dir")
+    check(not args.fsdp or device.type == "cuda", "--fsdp needs CUDA (FSDP shards a model over GPUs); on CPU, "
+          "drop the flag: torchrun alone runs data-parallel processes with the whole model in each")
+    check(not args.fsdp, "--fsdp is not implemented in prm.py yet; drop the flag (data-parallel torchrun, "
+          "--lora-r and --gradient-checkpointing reduce memory per process)")
+    check(args.dtype != "bfloat16" or device.type != "cuda" or torch.cuda.is_bf16_supported(),
+          "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Training
 
 
@@ -762,32 +963,24 @@ def score_file(args: Args) -> dict:
 
 
 def train(args: Args) -> dict:
-    # ---- set-up: processes, device, dtype, seeds
-    if args.lora_r < 0:
-        raise UserError(f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
-    if not args.step_separator:
-        raise UserError("--step-separator must not be empty: each step's label sits on its separator's last token")
-    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    args.world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
+    # ---- set-up: processes, device, dtype, output directory; every check comes before anything is written
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # launched by torchrun with several processes
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.device == "auto":
         device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+    validate_args(args, args.world_size, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if distributed:
+    if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     is_main = rank == 0
-    if args.batch_size % args.world_size:
-        raise UserError(f"--batch-size {args.batch_size} must be divisible by the number of processes "
-                        f"{args.world_size}")
     args.local_batch = args.batch_size // args.world_size
     micro_batch = args.micro_batch_size or args.local_batch
-    if micro_batch > args.local_batch:
-        raise UserError(f"--micro-batch-size {micro_batch} is larger than the local batch of {args.local_batch} rows")
     use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
                                              and torch.cuda.is_bf16_supported())
     dtype = torch.bfloat16 if use_bf16 else torch.float32
@@ -797,7 +990,16 @@ def train(args: Args) -> dict:
         dist.broadcast(stamp, src=0)
         timestamp = int(stamp.item())
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{timestamp}"
-    output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    # an explicit checkpoint path continues its own run directory unless told otherwise
+    resume_dir = (os.path.dirname(os.path.abspath(args.resume_from.rstrip("/")))
+                  if args.resume_from not in (None, "latest") else None)
+    output_dir = args.output_dir or resume_dir or os.path.join("runs", args.run_name)
+    resume_path = resolve_resume(args, output_dir)
+    resuming_here = resume_path is not None and os.path.realpath(os.path.dirname(
+        os.path.abspath(resume_path.rstrip("/")))) == os.path.realpath(output_dir)
+    if holds_run(output_dir) and not resuming_here and not args.overwrite:
+        raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
+                        "to continue it, or another --output-dir")
     seed_everything(args.seed)  # the same on every rank: identical initial weights and head
 
     # ---- data rows, checked before any model is loaded (a bad line fails fast)
@@ -817,9 +1019,14 @@ def train(args: Args) -> dict:
     if args.score_data_path:  # scored at the end, with the final model
         score_rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
 
-    # ---- model: backbone (+ LoRA) and reward head
+    # ---- model: backbone (+ LoRA) and reward head; a resumed run loads the checkpoint's weights over them
     prm, base_copy = build_prm(args, dtype)
+    if resume_path:
+        load_checkpoint_weights(prm, resume_path, args.model)
     prm.to(device).train()
+    if distributed:  # the seed already makes the weights equal everywhere; a broadcast makes sure of it
+        for tensor in prm.state_dict().values():
+            dist.broadcast(tensor, src=0)
     if args.gradient_checkpointing:
         prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     tokenizer = prm.tokenizer
@@ -853,7 +1060,7 @@ def train(args: Args) -> dict:
         chosen = [train_examples[epoch_order(p // len(train_examples))[p % len(train_examples)]] for p in positions]
         return chosen[rank::args.world_size]
 
-    # ---- optimiser, logging
+    # ---- optimiser
     trainable = [p for p in prm.parameters() if p.requires_grad]
     # bf16 weights round away updates smaller than ~1/256 of the weight; the optimiser steps fp32 master
     # copies and writes them back (LoRA adapters and the head are already fp32)
@@ -862,12 +1069,52 @@ def train(args: Args) -> dict:
     optimizer = torch.optim.AdamW(master, lr=args.learning_rate, betas=args.adam_betas,
                                   weight_decay=args.weight_decay, eps=1e-8, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, args.total_steps))
-    os.makedirs(output_dir, exist_ok=True)
+    fingerprint = data_fingerprint(train_rows, val_rows)
+
+    # ---- resume: optimiser, scheduler, counters, RNG; the data position is the step number
+    start_step = 0
+    bad_steps_in_a_row = skipped_updates = 0
+    saved_eval = None
+    if resume_path:
+        state = load_trainer_state(resume_path)
+        if state.get("data_fingerprint") != fingerprint:
+            raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's (same "
+                            "--data-path and --num-val-rows, but the file changed?); resume on the same data")
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            separate = [m for p, m in zip(trainable, master) if m is not p]
+            for m, saved in zip(separate, state["master"], strict=True):  # the fp32 masters, not rounded weights
+                m.data.copy_(saved)
+            start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
+            states = state["rng"]
+            set_rng_state(states[rank] if rank < len(states) else states[0])  # a new process count: rank 0's
+            saved_eval = state["eval_start"], state["eval_last"]
+        except (KeyError, ValueError, RuntimeError) as error:  # another format, or another set of parameters
+            raise UserError(f"--resume-from {resume_path}: its trainer_state.pt does not fit this run "
+                            f"({type(error).__name__}: {str(error).strip().splitlines()[0]})") from None
+        for p, m in zip(trainable, master):
+            if m is not p:
+                p.data.copy_(m.data)
+        print0(f"resumed from {resume_path} at step {start_step}", enabled=is_main)
+
+    # ---- output directory and logging: nothing is written before this point
+    if is_main:
+        if args.overwrite and not resuming_here:
+            clear_run(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written
+            with open(metrics_path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
     console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "eval_auroc",
                "eval_first_error_f1": "eval_fe_f1", "step_time_s": "dt"}
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
                        wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
-                       wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main)
+                       wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main,
+                       append=resume_path is not None)
     n_params = sum(p.numel() for p in prm.parameters())
     n_trainable = sum(p.numel() for p in trainable)
     print0(f"model {args.model}: {n_params:,} parameters ({n_trainable:,} trained), {dtype}, {device}; "
@@ -882,13 +1129,15 @@ def train(args: Args) -> dict:
                                          [e["labels"] for e in val_examples]) if val_examples else 0.5
         baseline = evaluate(position_baseline(train_labels, [len(e["labels"]) for e in eval_examples]),
                             [e["labels"] for e in eval_examples], val_threshold)
-    eval_start = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size) if is_main else {}
-    print0("eval at step 0: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_start.items())
-           + f" (position-only baseline: auroc {baseline['eval_auroc']:.3f}, "
-           f"first_error_f1 {baseline['eval_first_error_f1']:.3f})", enabled=is_main)
-    eval_metrics = eval_start
+    if saved_eval is not None:  # the step-0 figures come from the checkpoint: the summary reads as one run
+        eval_start, eval_metrics = saved_eval
+    else:
+        eval_start = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size) if is_main else {}
+        eval_metrics = eval_start
+        print0("eval at step 0: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_start.items())
+               + f" (position-only baseline: auroc {baseline['eval_auroc']:.3f}, "
+               f"first_error_f1 {baseline['eval_first_error_f1']:.3f})", enabled=is_main)
     step_times, step_tokens, memory_samples = [], [], []
-    bad_steps_in_a_row = skipped_updates = 0
     run_start = time.perf_counter()
 
     def sync_clock() -> float:
@@ -896,83 +1145,130 @@ def train(args: Args) -> dict:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    for step in range(args.total_steps):
-        step_start = sync_clock()
-        # 1. this process's rows of the step; every micro-batch's loss is divided by the labelled-step count of
-        # the whole batch (all processes), so the accumulated gradient is the batch mean however it is split
-        batch = rows_for_step(step)
-        count = torch.tensor([float(sum(len(e["positions"]) for e in batch))], device=device)
-        if distributed:
-            dist.all_reduce(count)
-        total_labelled = count.item()
+    def checkpoint(step: int) -> str:
+        """checkpoint-STEP on rank 0, keeping the newest --keep-checkpoints (every rank calls it: the RNG states
+        are gathered)."""
+        path = os.path.join(output_dir, f"checkpoint-{step}")
+        rng_states = gather_rng_states(distributed, args.world_size)
+        if is_main:
+            save_checkpoint(path, prm, base_copy, args, {
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p],
+                "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_states,
+                "eval_start": eval_start, "eval_last": eval_metrics, "data_fingerprint": fingerprint,
+                # informational: where the next batch starts (rebuilt from the step number on resume)
+                "data_position": {"epoch": step * args.batch_size // len(train_examples),
+                                  "row_in_epoch": step * args.batch_size % len(train_examples)}})
+            for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
+                shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
+        return path
 
-        # 2. forward and backward over micro-batches, gradients accumulating
-        loss_sum, tokens, stat_sums = 0.0, 0, {"accuracy": 0.0, "score_mean": 0.0, "steps": 0.0}
-        for start in range(0, len(batch), micro_batch):
-            inputs = collate(batch[start:start + micro_batch], pad_id, device)
-            step_logits = prm(inputs["input_ids"], inputs["attention_mask"], inputs["positions"])  # [b, S]
-            loss, stats = prm_loss(step_logits, inputs["labels"], inputs["mask"], args.loss_kind,
-                                   total_steps=total_labelled)
-            loss.backward()
-            loss_sum += loss.item()
-            tokens += int(inputs["attention_mask"].sum())
-            steps_here = stats.pop("steps").item()
-            for key, value in stats.items():  # weighted by steps, to average over the whole batch
-                stat_sums[key] += value.item() * steps_here
-            stat_sums["steps"] += steps_here
+    # a signal only sets a flag: the current step finishes, then every process stops after the same step
+    stop_signal = []
+    previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
+                         for sig in (signal.SIGINT, signal.SIGTERM)}
+    interrupted = False
+    try:
+        for step in range(start_step, args.total_steps):
+            step_start = sync_clock()
+            # 1. this process's rows of the step; every micro-batch's loss is divided by the labelled-step count of
+            # the whole batch (all processes), so the accumulated gradient is the batch mean however it is split
+            batch = rows_for_step(step)
+            count = torch.tensor([float(sum(len(e["positions"]) for e in batch))], device=device)
+            if distributed:
+                dist.all_reduce(count)
+            total_labelled = count.item()
 
-        # 3. update: gradients summed over processes (each loss is already divided by the global count), clipped,
-        # applied to the fp32 masters; a non-finite loss or gradient skips the update
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
-        if distributed:
-            flat = torch.cat([g.reshape(-1).float() for g in grads])
-            dist.all_reduce(flat)
-            grads = list(torch.split(flat, [g.numel() for g in grads]))
-        for p, m, g in zip(trainable, master, grads):
-            m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
-        grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
-                                                   else float("inf"))
-        if math.isfinite(loss_sum) and torch.isfinite(grad_norm):
-            optimizer.step()
-            bad_steps_in_a_row = 0
-            for p, m in zip(trainable, master):
-                if m is not p:
-                    p.data.copy_(m.data)
-        else:  # a non-finite loss or gradient would poison the weights: skip this update
-            skipped_updates += 1
-            bad_steps_in_a_row += 1
-            print0(f"warning: non-finite loss or gradient at step {step}; update skipped", file=sys.stderr,
-                   enabled=is_main)
-            if bad_steps_in_a_row >= args.max_bad_steps:
-                raise RuntimeError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
-                                   "lower --learning-rate or check the labels")
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        prm.zero_grad(set_to_none=True)
-        step_time = sync_clock() - step_start
+            # 2. forward and backward over micro-batches, gradients accumulating
+            loss_sum, tokens, stat_sums = 0.0, 0, {"accuracy": 0.0, "score_mean": 0.0, "steps": 0.0}
+            for start in range(0, len(batch), micro_batch):
+                inputs = collate(batch[start:start + micro_batch], pad_id, device)
+                step_logits = prm(inputs["input_ids"], inputs["attention_mask"], inputs["positions"])  # [b, S]
+                loss, stats = prm_loss(step_logits, inputs["labels"], inputs["mask"], args.loss_kind,
+                                       total_steps=total_labelled)
+                loss.backward()
+                loss_sum += loss.item()
+                tokens += int(inputs["attention_mask"].sum())
+                steps_here = stats.pop("steps").item()
+                for key, value in stats.items():  # weighted by steps, to average over the whole batch
+                    stat_sums[key] += value.item() * steps_here
+                stat_sums["steps"] += steps_here
+            # sums over processes: each loss is already its share of the batch mean, so the sum is the batch loss;
+            # the finiteness test below then reads the same global numbers on every rank
+            sums = torch.tensor([loss_sum, stat_sums["accuracy"], stat_sums["score_mean"], stat_sums["steps"],
+                                 float(tokens)], dtype=torch.float64, device=device)
+            if distributed:
+                dist.all_reduce(sums)
+            loss_sum, accuracy_sum, score_sum, steps_seen, global_tokens = sums.tolist()
 
-        # 4. log (metrics averaged over processes), evaluate
-        step_times.append(step_time)
-        step_tokens.append(tokens)
-        memory_samples.append(memory_mb(device))
-        local = {"loss": loss_sum, "accuracy": stat_sums["accuracy"] / max(stat_sums["steps"], 1.0),
-                 "score_mean": stat_sums["score_mean"] / max(stat_sums["steps"], 1.0)}
-        if distributed:
-            keys = sorted(local)
-            values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
-            dist.all_reduce(values)
-            local = {k: v / args.world_size for k, v in zip(keys, values.tolist())}
-            local["loss"] *= args.world_size  # each process's loss is its share of the batch mean: the sum is it
-        metrics = {**local, "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-                   "labelled_steps": total_labelled, "step_time_s": step_time, "memory_mb": memory_samples[-1]}
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and is_main:
-            eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
-            metrics.update(eval_metrics)
-        logger.log(step + 1, metrics)
+            # 3. update: gradients summed over processes in one flat all-reduce, clipped, applied to the fp32
+            # masters; a non-finite loss or gradient skips the update (all ranks agree: both are global)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+            if distributed:
+                flat = torch.cat([g.reshape(-1).float() for g in grads])
+                dist.all_reduce(flat)
+                grads = list(torch.split(flat, [g.numel() for g in grads]))
+            for p, m, g in zip(trainable, master, grads):
+                m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
+            grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
+                                                       else float("inf"))
+            if math.isfinite(loss_sum) and torch.isfinite(grad_norm):
+                optimizer.step()
+                bad_steps_in_a_row = 0
+                for p, m in zip(trainable, master):
+                    if m is not p:
+                        p.data.copy_(m.data)
+            else:  # a non-finite loss or gradient would poison the weights: skip this update
+                skipped_updates += 1
+                bad_steps_in_a_row += 1
+                print0(f"warning: non-finite loss or gradient at step {step + 1}; update skipped "
+                       f"({bad_steps_in_a_row} in a row, --max-bad-steps {args.max_bad_steps})", file=sys.stderr,
+                       enabled=is_main)
+                if bad_steps_in_a_row >= args.max_bad_steps:
+                    raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
+                                    "lower --learning-rate or check the labels")
+            with warnings.catch_warnings():  # a skipped first update is meant: the schedule counts steps, not updates
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            prm.zero_grad(set_to_none=True)
+            step_time = sync_clock() - step_start
 
-    # ---- final evaluation, model, scores, benchmark summary
+            # 4. log (metrics over the whole batch, all processes), evaluate, save
+            step_times.append(step_time)
+            step_tokens.append(global_tokens)
+            memory_samples.append(memory_mb(device))
+            metrics = {"loss": loss_sum, "accuracy": accuracy_sum / max(steps_seen, 1.0),
+                       "score_mean": score_sum / max(steps_seen, 1.0), "grad_norm": grad_norm.item(),
+                       "learning_rate": scheduler.get_last_lr()[0], "labelled_steps": total_labelled,
+                       "skipped_updates": skipped_updates, "step_time_s": step_time,
+                       "memory_mb": memory_samples[-1]}
+            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and is_main:
+                eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
+                metrics.update(eval_metrics)
+            logger.log(step + 1, metrics)
+            # a signal stops every process after the same step (torchrun forwards it to all, not at the same moment)
+            stop = torch.tensor([float(len(stop_signal))], device=device)
+            if distributed:
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            interrupted = stop.item() > 0
+            if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
+                path = checkpoint(step + 1)
+            if interrupted:
+                print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
+                       f"python prm.py <the same flags> --output-dir {output_dir} --resume-from {path}",
+                       enabled=is_main)
+                break
+    except BaseException:  # a stop for too many bad steps, or a crash: metrics.jsonl keeps what was logged
+        logger.close()
+        raise
+    finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+
+    # ---- final evaluation, model, scores, benchmark summary (an interrupted run leaves only its checkpoint)
     total_time = time.perf_counter() - run_start
-    if is_main:
+    if is_main and not interrupted:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
         print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()))
         save_prm(os.path.join(output_dir, "final"), prm, base_copy)
@@ -982,10 +1278,10 @@ def train(args: Args) -> dict:
             write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     summary = {
-        "steps": len(step_times),
+        "steps": start_step + len(step_times),
         "total_time_s": total_time,
         "step_time_s_mean": float(np.mean(step_times[timed])) if step_times else float("nan"),
-        "tokens_per_s": sum(step_tokens[timed]) * args.world_size / max(sum(step_times[timed]), 1e-9),
+        "tokens_per_s": sum(step_tokens[timed]) / max(sum(step_times[timed]), 1e-9),
         "peak_memory_mb": peak_memory_mb(device),
         "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
         **{f"{key}_start": value for key, value in eval_start.items() if key != "eval_first_error_threshold"},
@@ -997,14 +1293,17 @@ def train(args: Args) -> dict:
         "dropped_rows": dropped_rows,
         "skipped_rows": skipped_rows,
         "skipped_updates": skipped_updates,
+        "interrupted": interrupted,
+        "resumed_from_step": start_step,
         "parameters": n_params,
         "trainable_parameters": n_trainable,
     }
     if device.type == "cuda":
         peak = args.peak_tflops or guess_peak_tflops(device)
         # 6 FLOPs per parameter per token for forward + backward (an upper bound with LoRA's frozen weights)
-        flops = 6 * n_params * sum(step_tokens) * args.world_size
-        summary["mfu"] = flops / sum(step_times) / (peak * 1e12) if peak else float("nan")
+        flops = 6 * n_params * sum(step_tokens)  # tokens of all processes: divided by the peak of all devices
+        summary["mfu"] = (flops / sum(step_times) / (peak * 1e12 * args.world_size) if peak and step_times
+                          else float("nan"))
     logger.summary(summary, output_dir)
     logger.close()
     if distributed:

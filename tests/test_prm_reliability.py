@@ -1,0 +1,453 @@
+"""prm.py under stress: bad input, non-finite losses, interruption and exact resume, two processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import prm
+from test_prm import QUICK, REPO_ROOT, builtin_rows, read_metrics, read_summary, run_prm, write_rows
+
+# wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
+TIMING_KEYS = {"step_time_s", "memory_mb"}
+ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+
+
+def run_main(argv: list[str], capsys, with_stdout: bool = False):
+    """prm.main() in this process, as the command line would run it: (exit code, stderr), or with stdout too."""
+    saved = sys.argv
+    sys.argv = ["prm.py", *argv]
+    try:
+        prm.main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        sys.argv = saved
+    captured = capsys.readouterr()
+    return (code, captured.out, captured.err) if with_stdout else (code, captured.err)
+
+
+def bytes_file(tmp_path: Path, content: bytes) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(content)
+    return str(path)
+
+
+def rows_file(tmp_path: Path, *lines: str, name: str = "rows.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+GOOD = '{"prompt": "start 1\\n", "completions": ["1+1=2", "2+1=3"], "labels": [true, 0.5]}'
+# a small data file keeps in-process runs fast (the built-in task tokenises 10,000 rows)
+SMALL = ["--batch-size", "4", "--eval-every", "0", "--num-val-rows", "4", "--warmup-steps", "0"]
+
+
+def small_data(tmp_path: Path, count: int = 48) -> str:
+    return str(write_rows(tmp_path / "train.jsonl", builtin_rows(count)))
+
+
+BAD_INPUTS = {
+    # data files
+    "missing data file": (lambda tmp: ["--data-path", str(tmp / "nope.jsonl")], "data file", "does not exist"),
+    "data path is a directory": (lambda tmp: ["--data-path", str(tmp)], "data file", "is a directory"),
+    "unreadable data (not UTF-8)": (lambda tmp: ["--data-path", bytes_file(tmp, GOOD.encode() + b"\n\xff\xfe\x00")],
+                                    "rows.jsonl:2:", "not UTF-8 text"),
+    "missing eval file": (lambda tmp: ["--data-path", rows_file(tmp, GOOD), "--eval-data-path",
+                                       str(tmp / "eval.jsonl")], "eval.jsonl", "does not exist"),
+    "invalid json": (lambda tmp: ["--data-path", rows_file(tmp, GOOD, '{"prompt": "p", oops')],
+                     "rows.jsonl:2:", "invalid JSON"),
+    "row not an object": (lambda tmp: ["--data-path", rows_file(tmp, "[1, 2]")], "rows.jsonl:1:", "JSON object"),
+    "missing field": (lambda tmp: ["--data-path", rows_file(tmp, GOOD, '{"prompt": "p", "completions": ["a"]}')],
+                      "rows.jsonl:2:", 'needs a field "labels"'),
+    "mistyped prompt": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": 3, "completions": ["a"], '
+                                                                   '"labels": [1]}')],
+                        "rows.jsonl:1:", 'needs a string field "prompt"'),
+    "mistyped completions": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": "p", "completions": "a", '
+                                                                        '"labels": [1]}')],
+                             "rows.jsonl:1:", 'needs a field "completions", a list of strings'),
+    "label count != step count": (lambda tmp: ["--data-path", rows_file(tmp, GOOD, GOOD, '{"prompt": "p", '
+                                                                        '"completions": ["a", "b"], "labels": [1]}')],
+                                  "rows.jsonl:3:", "1 labels for 2 steps"),
+    "label above 1": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": "p", "completions": ["a"], '
+                                                                 '"labels": [1.5]}')],
+                      "rows.jsonl:1:", "label 0 is 1.5"),
+    "label below 0": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": "p", "completions": ["a", "b"], '
+                                                                 '"labels": [1, -1]}')],
+                      "rows.jsonl:1:", "label 1 is -1"),
+    "label NaN": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": "p", "completions": ["a"], '
+                                                             '"labels": [NaN]}')],
+                  "rows.jsonl:1:", "label 0 is nan"),
+    "label infinite": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": "p", "completions": ["a"], '
+                                                                  '"labels": [Infinity]}')],
+                       "rows.jsonl:1:", "label 0 is inf"),
+    "label a string": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": "p", "completions": ["a"], '
+                                                                  '"labels": ["+"]}')],
+                       "rows.jsonl:1:", "label 0 is '+'"),
+    "no steps": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": "p", "completions": [], "labels": []}')],
+                 "rows.jsonl:1:", "no steps to learn from"),
+    "empty data set": (lambda tmp: ["--data-path", rows_file(tmp, "", "  ")], "rows.jsonl", "holds no valid rows"),
+    "every row bad, skipped": (lambda tmp: ["--data-path", rows_file(tmp, "{", "[]"), "--skip-bad-rows"],
+                               "rows.jsonl", "holds no valid rows (2 skipped as invalid)"),
+    # truncation
+    "every prompt longer than --max-length": (lambda tmp: ["--max-length", "4"], "--max-length 4",
+                                              "every training row was truncated away"),
+    "no first step fits": (lambda tmp: ["--data-path", rows_file(tmp, GOOD), "--max-length", "10"],
+                           "--max-length 10", "every training row was truncated away"),
+    # model
+    "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "no-model", "could not load model"),
+    "model path without a model": (lambda tmp: ["--model", str(tmp)], "could not load model", "no config.json"),
+    # flags that contradict each other
+    "negative lora rank": (lambda tmp: ["--lora-r", "-1"], "--lora-r", "must be >= 0"),
+    "lora dropout 1": (lambda tmp: ["--lora-r", "4", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
+    "micro-batch larger than batch": (lambda tmp: ["--micro-batch-size", "16"], "--micro-batch-size 16",
+                                      "is larger than the batch of 8 rows"),
+    "negative micro-batch": (lambda tmp: ["--micro-batch-size", "-1"], "--micro-batch-size", "must be >= 0"),
+    "zero batch": (lambda tmp: ["--batch-size", "0"], "--batch-size", "at least 1"),
+    "zero steps": (lambda tmp: ["--total-steps", "0"], "--total-steps", "at least 1"),
+    "negative epochs": (lambda tmp: ["--epochs", "-1"], "--epochs", "must be > 0"),
+    "empty separator": (lambda tmp: ["--step-separator", ""], "--step-separator", "must not be empty"),
+    "negative learning rate": (lambda tmp: ["--learning-rate", "-1"], "--learning-rate", ">= 0"),
+    "zero max bad steps": (lambda tmp: ["--max-bad-steps", "0"], "--max-bad-steps", "at least 1"),
+    "keep no checkpoints": (lambda tmp: ["--keep-checkpoints", "0"], "--keep-checkpoints", "at least 1"),
+    "fsdp on CPU": (lambda tmp: ["--fsdp"], "--fsdp", "needs CUDA"),
+    # resuming
+    "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "--resume-from", "not a checkpoint written by prm.py"),
+    "resume latest, no checkpoint": (lambda tmp: ["--resume-from", "latest"], "--resume-from latest",
+                                     "no checkpoint-* directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
+    flags, where, message = BAD_INPUTS[case]
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, *flags(tmp_path)], capsys)
+    assert code == 2, err
+    *before, last = err.strip().splitlines()
+    # one error line, no traceback (only --skip-bad-rows warnings may come before it)
+    assert last.startswith("error: ") and all(line.startswith("warning: ") for line in before), err
+    assert where in last and message in last, err
+    assert not out.exists()  # nothing written
+
+
+def test_scoring_mode_bad_inputs(tmp_path, capsys):
+    data = rows_file(tmp_path, '{"prompt": "p", "completions": ["a"]}')
+    scores = tmp_path / "scores.jsonl"
+    code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data], capsys)
+    assert code == 2 and "give --score-data-path rows.jsonl and --scores-output" in err and err.count("\n") == 1
+    code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(scores)],
+                         capsys)
+    assert code == 2 and "is not a PRM saved by prm.py" in err and err.count("\n") == 1
+    code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", str(tmp_path / "no.jsonl"),
+                          "--scores-output", str(scores)], capsys)
+    assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    assert not scores.exists()
+
+
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "notes.txt").write_text("mine")
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path)], capsys)
+    assert code == 2 and "already holds a run" in err and "--overwrite" in err and err.count("\n") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps",
+                          "1", "--overwrite"], capsys)
+    assert code == 0, err
+    assert len(read_metrics(out)) == 1 and (out / "final").is_dir()
+    assert (out / "notes.txt").read_text() == "mine"  # --overwrite removes the run's files, nothing else
+
+
+def test_a_prompt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsys):
+    rows = builtin_rows(20) + [{"prompt": "start 1" * 20 + "\n", "completions": ["1+1=2"], "labels": [1]}]
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "out"
+    code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--total-steps", "1", "--data-path", str(data),
+                                  "--max-length", "60", "--num-val-rows", "0"], capsys, with_stdout=True)
+    assert code == 0, err
+    assert "dropped 1 steps that did not fit whole, and 1 rows left with no step" in stdout
+    summary = read_summary(out)
+    assert summary["dropped_rows"] == 1 and summary["dropped_steps"] == 1 and summary["train_rows"] == 20
+
+
+def test_skip_bad_rows_skips_and_counts_every_kind(tmp_path, capsys):
+    bad = ['{"prompt": "p", oops', '[1]', '{"prompt": "p", "completions": ["a"]}',
+           '{"prompt": "p", "completions": ["a"], "labels": [2]}',
+           '{"prompt": "p", "completions": ["a"], "labels": [NaN]}',
+           '{"prompt": "p", "completions": ["a", "b"], "labels": [1]}']
+    good = [json.dumps(row) for row in builtin_rows(30)]
+    data = rows_file(tmp_path, *good[:10], *bad, *good[10:])
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--total-steps", "1", "--data-path", data,
+                          "--skip-bad-rows"], capsys)
+    assert code == 0, err
+    assert all(f"rows.jsonl:{line}:" in err for line in range(11, 16))  # the first five are named
+    assert "skipped 6 invalid rows" in err
+    assert read_summary(out)["skipped_rows"] == 6 and read_summary(out)["train_rows"] == 27
+
+
+def test_tokenizer_without_pad_token_falls_back_to_eos(tmp_path, capsys):
+    model_dir = tmp_path / "nopad"
+    tokenizer = prm.build_tiny_tokenizer()
+    prm.build_tiny_backbone(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--total-steps", "1", "--data-path",
+                                  small_data(tmp_path), "--model", str(model_dir)], capsys, with_stdout=True)
+    assert code == 0, err
+    assert "has no pad token; using EOS ('<eos>') to pad" in stdout
+    assert len(read_metrics(out)) == 1 and (out / "final" / "reward_head.safetensors").is_file()
+
+
+def nan_on_calls(monkeypatch, bad_calls):
+    """prm_loss returning NaN on the given (1-based) training calls: one call per step without micro-batches."""
+    real_loss, calls = prm.prm_loss, {"n": 0}
+
+    def patched(*args, **kwargs):
+        calls["n"] += 1
+        loss, stats = real_loss(*args, **kwargs)
+        return (loss * float("nan") if bad_calls(calls["n"]) else loss), stats
+
+    monkeypatch.setattr(prm, "prm_loss", patched)
+
+
+def test_non_finite_loss_skips_updates_then_stops(tmp_path, capsys, monkeypatch):
+    nan_on_calls(monkeypatch, lambda n: True)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps",
+                          "10", "--max-bad-steps", "3"], capsys)
+    assert code == 2 and "3 updates in a row had a non-finite loss or gradient" in err
+    assert err.count("update skipped") == 3 and err.strip().splitlines()[-1].startswith("error: ")
+    metrics = read_metrics(out)
+    assert [row["skipped_updates"] for row in metrics] == [1, 2]  # steps 1 and 2 logged, step 3 stopped the run
+    assert not (out / "final").exists()
+
+
+def test_an_isolated_non_finite_loss_is_skipped_and_counted(tmp_path, capsys, monkeypatch):
+    nan_on_calls(monkeypatch, lambda n: n in (2, 4))
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps",
+                          "5", "--max-bad-steps", "2"], capsys)
+    assert code == 0, err
+    assert "non-finite loss or gradient at step 2; update skipped" in err and err.count("update skipped") == 2
+    metrics = read_metrics(out)
+    assert [row["skipped_updates"] for row in metrics] == [0, 1, 1, 2, 2]
+    assert metrics[1]["loss"] != metrics[1]["loss"] and metrics[4]["loss"] == metrics[4]["loss"]  # NaN, then not
+    assert read_summary(out)["skipped_updates"] == 2
+    weights = load_file(out / "final" / "model.safetensors")
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+
+
+def test_keep_checkpoints_keeps_the_newest_and_a_checkpoint_is_complete(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps",
+                          "4", "--save-every", "1", "--keep-checkpoints", "2"], capsys)
+    assert code == 0, err
+    assert prm.checkpoint_steps(str(out)) == [3, 4] and not list(out.glob("*.tmp"))
+    checkpoint = out / "checkpoint-4"
+    for name in ("model.safetensors", "reward_head.safetensors", "tokenizer.json", "prm_config.json", "args.json"):
+        assert (checkpoint / name).is_file(), name
+    assert json.loads((checkpoint / "args.json").read_text())["script"] == "prm.py"
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 4 and state["data_position"] == {"epoch": 0, "row_in_epoch": 16}
+    assert {"optimizer", "scheduler", "rng", "master", "eval_start", "data_fingerprint"} <= state.keys()
+    assert {"python", "numpy", "torch", "cuda"} <= state["rng"][0].keys()
+    # the checkpoint of the last step is the final model
+    final, last = load_file(out / "final" / "model.safetensors"), load_file(checkpoint / "model.safetensors")
+    assert all(torch.equal(final[name], last[name]) for name in final)
+    assert prm.load_prm(str(checkpoint), device="cpu").config["base_model"] == "tiny"  # a checkpoint is a PRM
+
+
+def copy_run_up_to(source: Path, target: Path, step: int) -> None:
+    """target: source's checkpoint-STEP and its metrics rows up to STEP, plus a later row a crash left behind."""
+    import shutil
+
+    shutil.copytree(source / f"checkpoint-{step}", target / f"checkpoint-{step}")
+    rows = (source / "metrics.jsonl").read_text().splitlines()
+    (target / "metrics.jsonl").write_text("\n".join(rows[:step + 1]) + "\n")  # row step+1 must be dropped
+
+
+def comparable(rows: list[dict]) -> list[str]:
+    """Rows without timings, as JSON text: exact to the last digit (floats round-trip), and NaN equals NaN."""
+    return [json.dumps({k: v for k, v in row.items() if k not in TIMING_KEYS}, sort_keys=True) for row in rows]
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
+
+
+def test_lora_resume_with_dropout_matches_an_uninterrupted_run(tmp_path, capsys):
+    # LoRA dropout draws from torch's RNG every step: only a restored RNG state gives the same numbers
+    flags = [*SMALL, "--data-path", small_data(tmp_path), "--total-steps", "6", "--save-every", "3",
+             "--lora-r", "4", "--lora-dropout", "0.2", "--eval-every", "2", "--num-eval-rows", "16",
+             "--eval-data-path", small_data(tmp_path), "--micro-batch-size", "3", "--lr-schedule", "cosine"]
+    straight = tmp_path / "straight"
+    code, err = run_main(["--output-dir", str(straight), *flags], capsys)
+    assert code == 0, err
+    resumed = tmp_path / "resumed"
+    copy_run_up_to(straight, resumed, 3)
+    code, out, err = run_main([*flags, "--resume-from", str(resumed / "checkpoint-3")], capsys, with_stdout=True)
+    assert code == 0, err  # --output-dir defaults to the checkpoint's own run directory
+    assert f"resumed from {resumed / 'checkpoint-3'} at step 3" in out
+    assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight))
+    for name in ("adapter_model.safetensors", "reward_head.safetensors"):
+        assert max_difference(load_file(straight / "final" / name), load_file(resumed / "final" / name)) == 0.0
+    a, b = read_summary(straight), read_summary(resumed)
+    assert b["steps"] == 6 and b["resumed_from_step"] == 3
+    assert comparable([{k: v for k, v in a.items() if k.startswith("eval_")}]) == comparable(
+        [{k: v for k, v in b.items() if k.startswith("eval_")}])
+
+
+def test_resume_refuses_another_scripts_models_or_runs_checkpoint(tmp_path, capsys):
+    data = small_data(tmp_path)
+    source = tmp_path / "source"
+    code, err = run_main(["--output-dir", str(source), *SMALL, "--data-path", data, "--total-steps", "1",
+                          "--save-every", "1"], capsys)
+    assert code == 0, err
+    checkpoint = source / "checkpoint-1"
+
+    def refused(*flags: str) -> str:
+        out = tmp_path / "out"
+        code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", data, "--total-steps", "2", *flags],
+                             capsys)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert not out.exists()
+        return err
+
+    # another script's checkpoint (grpo.py writes the same two files)
+    foreign = tmp_path / "grpo-run" / "checkpoint-3"
+    foreign.mkdir(parents=True)
+    (foreign / "trainer_state.pt").write_bytes(b"")
+    (foreign / "args.json").write_text(json.dumps({"script": "grpo.py", "model": "tiny"}))
+    assert "written by grpo.py, not prm.py" in refused("--resume-from", str(foreign))
+    # other settings: another model, another batch, LoRA against full fine-tuning
+    assert "--model 'tiny' there, 'other/model' here" in refused("--resume-from", str(checkpoint), "--model",
+                                                                 "other/model")
+    assert "--batch-size 4 there, 8 here" in refused("--resume-from", str(checkpoint), "--batch-size", "8")
+    assert "--lora-r 0 there, 4 here" in refused("--resume-from", str(checkpoint), "--lora-r", "4")
+    # the same flags, but weights of another shape (e.g. the model behind the name changed)
+    import shutil
+
+    changed = tmp_path / "changed" / "checkpoint-1"
+    shutil.copytree(checkpoint, changed)
+    save_file({"embed_tokens.weight": torch.zeros(3, 3)}, changed / "model.safetensors")
+    assert "its weights do not" in refused("--resume-from", str(changed))
+    # the same flags, but the data file changed under them
+    rows = Path(data).read_text().splitlines()
+    Path(data).write_text("\n".join(rows[1:]) + "\n")
+    assert "the training rows differ from the checkpoint's" in refused("--resume-from", str(checkpoint))
+    assert sorted(p.name for p in source.iterdir()) == ["checkpoint-1", "final", "metrics.jsonl", "summary.json"]
+
+
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
+    total = 100
+    flags = [*QUICK, "--total-steps", str(total), "--eval-every", "25", "--micro-batch-size", "3",
+             "--warmup-steps", "10", "--lr-schedule", "cosine"]
+    straight = tmp_path / "straight"
+    run_prm("--output-dir", str(straight), *flags)
+
+    interrupted = tmp_path / "interrupted"
+    process = subprocess.Popen([sys.executable, "prm.py", "--output-dir", str(interrupted), *flags], cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    metrics_file = interrupted / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=240)
+    assert process.returncode == 0, stderr[-3000:]
+    steps = prm.checkpoint_steps(str(interrupted))
+    assert len(steps) == 1, stdout[-3000:]
+    stopped_at = steps[0]
+    assert f"stopped by a signal after step {stopped_at}" in stdout and "--resume-from" in stdout
+    assert not (interrupted / "final").exists() and read_summary(interrupted)["interrupted"] is True
+    assert 2 <= stopped_at < total, "the run finished before the signal arrived; nothing was tested"
+
+    run_prm("--output-dir", str(interrupted), *flags, "--resume-from", "latest")
+    resumed = read_metrics(interrupted)
+    assert [row["step"] for row in resumed] == list(range(1, total + 1))
+    assert comparable(resumed) == comparable(read_metrics(straight))  # to the last digit, rows k+1.. included
+    for name in ("model.safetensors", "reward_head.safetensors"):
+        difference = max_difference(load_file(straight / "final" / name), load_file(interrupted / "final" / name))
+        print(f"resume after step {stopped_at}: max |weight difference| in {name} = {difference}")
+        assert difference == 0.0
+
+
+def test_sigint_finishes_the_step_then_checkpoints(tmp_path, capsys, monkeypatch):
+    # Ctrl-C arrives in the middle of step 2 (inside its loss): step 2 completes, is logged and checkpointed
+    real_loss, calls = prm.prm_loss, {"n": 0}
+
+    def interrupting_loss(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(prm, "prm_loss", interrupting_loss)
+    out = tmp_path / "out"
+    code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path),
+                                  "--total-steps", "10"], capsys, with_stdout=True)
+    assert code == 0, err
+    assert "stopped by a signal after step 2" in stdout and f"--resume-from {out / 'checkpoint-2'}" in stdout
+    assert prm.checkpoint_steps(str(out)) == [2] and len(read_metrics(out)) == 2
+    assert not (out / "final").exists() and read_summary(out)["interrupted"] is True
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+
+
+def test_two_processes_make_the_same_update_as_one(tmp_path, capsys):
+    # 2 processes of 4 rows against 1 of 8, and a different micro-batch split: the same update to 1e-5. A modest
+    # learning rate: Adam's first step moves every weight by about lr, so rounding noise scales with it.
+    data = small_data(tmp_path)
+    flags = ["--data-path", data, "--total-steps", "2", "--save-every", "1", "--batch-size", "8", "--eval-every", "0",
+             "--num-val-rows", "4", "--warmup-steps", "0", "--learning-rate", "1e-4"]
+    single = tmp_path / "single"
+    run_prm("--output-dir", str(single), *flags)
+    double = tmp_path / "double"
+    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "prm.py", "--output-dir", str(double), *flags, "--micro-batch-size", "3"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=300, env=ENV)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.stdout.count("step 1 |") == 1  # rank 0 alone logs
+    for name in ("model.safetensors", "reward_head.safetensors"):
+        one = load_file(single / "checkpoint-1" / name)
+        two = load_file(double / "checkpoint-1" / name)
+        difference = max_difference(one, two)
+        print(f"2 processes vs 1 after one step: max |weight difference| in {name} = {difference:.2e}")
+        assert difference < 1e-5
+    # and the update was not a no-op: the weights moved from their (seeded, identical) initial values
+    prm.seed_everything(1)
+    initial, _ = prm.build_prm(prm.Args(), torch.float32)
+    moved_backbone = max_difference(load_file(double / "checkpoint-1" / "model.safetensors"),
+                                    initial.backbone.state_dict())
+    moved_head = max_difference(load_file(double / "checkpoint-1" / "reward_head.safetensors"),
+                                initial.head.state_dict())
+    assert moved_backbone > 5e-5 and moved_head > 5e-5  # Adam moves ~lr = 1e-4
+    # metrics are reduced over processes: the same numbers as one process on the same batch
+    for a, b in zip(read_metrics(single), read_metrics(double), strict=True):
+        for key in ("loss", "accuracy", "score_mean", "grad_norm", "labelled_steps"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    assert len(torch.load(double / "checkpoint-2" / "trainer_state.pt", weights_only=True)["rng"]) == 2
+    final_difference = max_difference(load_file(single / "final" / "model.safetensors"),
+                                      load_file(double / "final" / "model.safetensors"))
+    assert final_difference < 1e-4  # a second step on top: still the same run
+    # a 2-process checkpoint resumes in 1 process (the update does not depend on the process count)
+    code, err = run_main([*flags, "--resume-from", str(double / "checkpoint-1")], capsys)
+    assert code == 0, err
+    assert max_difference(load_file(single / "final" / "model.safetensors"),
+                          load_file(double / "final" / "model.safetensors")) < 1e-4
