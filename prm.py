@@ -994,6 +994,8 @@ def train(args: Args) -> dict:
     resume_dir = (os.path.dirname(os.path.abspath(args.resume_from.rstrip("/")))
                   if args.resume_from not in (None, "latest") else None)
     output_dir = args.output_dir or resume_dir or os.path.join("runs", args.run_name)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UserError(f"--output-dir {output_dir} exists and is not a directory")
     resume_path = resolve_resume(args, output_dir)
     resuming_here = resume_path is not None and os.path.realpath(os.path.dirname(
         os.path.abspath(resume_path.rstrip("/")))) == os.path.realpath(output_dir)
@@ -1228,7 +1230,7 @@ def train(args: Args) -> dict:
                     raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
                                     "lower --learning-rate or check the labels")
             with warnings.catch_warnings():  # a skipped first update is meant: the schedule counts steps, not updates
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             prm.zero_grad(set_to_none=True)
@@ -1307,6 +1309,7 @@ def train(args: Args) -> dict:
     logger.summary(summary, output_dir)
     logger.close()
     if distributed:
+        dist.barrier()  # rank 0 may still be saving: leaving early would tear the process group down under it
         dist.destroy_process_group()
     return summary
 

@@ -454,8 +454,9 @@ def python_has(python: str, modules: str) -> bool:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--main-dir", default="/work/main", help="checkout with our grpo.py and prm.py")
-    ap.add_argument("--bench-root", default="/work/bench-out",
+    ap.add_argument("--main-dir", default=str(Path(__file__).resolve().parents[1]),
+                    help="checkout with our grpo.py and prm.py (default: this repository)")
+    ap.add_argument("--bench-root", default=os.environ.get("BENCH_ROOT", "bench-out"),
                     help="TRL harness root: venv, venv-trl113, tiny-model, small-model")
     ap.add_argument("--harness-dir", default=None,
                     help="folder of trl_grpo_bench.py / trl_prm_bench.py / make_tiny.py "

@@ -170,6 +170,14 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "mine"  # --overwrite removes the run's files, nothing else
 
 
+def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.write_text("not a directory")
+    code, err = run_main(["--output-dir", str(out), *QUICK], capsys)
+    assert code == 2 and err == f"error: --output-dir {out} exists and is not a directory\n"
+    assert out.read_text() == "not a directory"
+
+
 def test_a_prompt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsys):
     rows = builtin_rows(20) + [{"prompt": "start 1" * 20 + "\n", "completions": ["1+1=2"], "labels": [1]}]
     data = write_rows(tmp_path / "rows.jsonl", rows)
@@ -428,7 +436,8 @@ def test_two_processes_make_the_same_update_as_one(tmp_path, capsys):
         one = load_file(single / "checkpoint-1" / name)
         two = load_file(double / "checkpoint-1" / name)
         difference = max_difference(one, two)
-        print(f"2 processes vs 1 after one step: max |weight difference| in {name} = {difference:.2e}")
+        with capsys.disabled():  # shown with -s
+            print(f"2 processes vs 1 after one step: max |weight difference| in {name} = {difference:.2e}")
         assert difference < 1e-5
     # and the update was not a no-op: the weights moved from their (seeded, identical) initial values
     prm.seed_everything(1)
