@@ -254,8 +254,8 @@ def grpo_loss(
 
     Shapes: logp, old_logp, ref_logp, mask [B, T] (mask 1 on completion tokens, EOS included); advantages [B].
     Per token: l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * KL, with r = exp(logp - old_logp)
-    (with `delta`, the unclipped term uses min(r, delta), INTELLECT-2's two-sided bound). Aggregation, with m the mask, N the number of sequences
-    and M the number of completion tokens over the whole batch:
+    (with `delta`, the unclipped term uses min(r, delta), INTELLECT-2's two-sided bound). Aggregation, with m the
+    mask, N the number of sequences    and M the number of completion tokens over the whole batch:
         grpo:          (1/N) sum_i [ sum_t l_it m_it / sum_t m_it ]   (each sequence's token mean; empty rows add 0)
         bnpo, dapo:    sum_it l_it m_it / M                            (token mean over the batch)
         dr_grpo:       sum_it l_it m_it / (N * max_completion_length)  (a constant: no length bias)
@@ -418,9 +418,8 @@ def format_reward(completion: str, answer: str) -> float:
     """1.0 when the completion states its answer cleanly: nothing but a number written canonically (no leading
     zeros: otherwise "07" games it), or a text that ends with `#### n` or with \\boxed{n}."""
     text = completion.strip()
-    if _CANONICAL_NUMBER.fullmatch(text) or re.search(r"####\s*-?\d[\d,.]*$", text) or re.search(r"\\boxed\{[^{}]+\}$", text):
-        return 1.0
-    return 0.0
+    stated_last = re.search(r"####\s*-?\d[\d,.]*$", text) or re.search(r"\\boxed\{[^{}]+\}$", text)
+    return 1.0 if _CANONICAL_NUMBER.fullmatch(text) or stated_last else 0.0
 
 
 class UserError(Exception):
@@ -532,8 +531,8 @@ def prompt_generators(seed: int, step: int, prompt_indices: list[int], device) -
     """One random stream per prompt, keyed by (seed, step, the prompt's index in the global batch): a prompt's
     completions are the same whichever process samples it and however the batch is split, and a resumed run
     samples exactly what an uninterrupted one would."""
-    return [torch.Generator(device=device).manual_seed(int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0]))
-            for index in prompt_indices]
+    seeds = [int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0]) for index in prompt_indices]
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
 @torch.no_grad()
@@ -977,10 +976,6 @@ def train(args: Args) -> dict:
            f"{dtype}, {device}; {args.world_size} process(es), {args.prompts_per_step} prompts x "
            f"{args.group_size} completions per step", enabled=is_main)
 
-    stop_signal = []
-    previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
-                         for sig in (signal.SIGINT, signal.SIGTERM)}
-
     def checkpoint(step: int) -> str:
         """checkpoint-STEP on rank 0, keeping the newest --keep-checkpoints."""
         path = os.path.join(output_dir, f"checkpoint-{step}")
@@ -1012,185 +1007,191 @@ def train(args: Args) -> dict:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    for step in range(start_step, args.total_steps):
-        step_start = sync_clock()
-        # 1. rollout: every prompt repeated group_size times, sampled in one batch with a KV cache
-        prompt_indices, rows = prompts_for_step(step)
-        prompt_list = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.chat_template,
-                                     args.max_prompt_length)
-        prompt_ids, prompt_mask = left_pad(prompt_list, tokenizer.pad_token_id, device)
-        prompt_ids = prompt_ids.repeat_interleave(args.group_size, dim=0)  # [B, P], B = prompts x group
-        prompt_mask = prompt_mask.repeat_interleave(args.group_size, dim=0)
-        model.eval()
-        completion_ids, completion_mask, sampler_logp = generate(
-            model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            generators=prompt_generators(args.seed, step, prompt_indices, device))
-        model.train()
-        truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & (
-            completion_ids[:, -1] != tokenizer.eos_token_id)  # [B]: no EOS within max_new_tokens
-        t_generated = sync_clock()
-        timings["generation"] += t_generated - step_start
+    # SIGINT/SIGTERM only raise a flag; the loop checks it after each step, checkpoints and stops
+    stop_signal = []
+    previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
+                         for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:  # whatever ends the loop, the previous handlers come back
+        for step in range(start_step, args.total_steps):
+            step_start = sync_clock()
+            # 1. rollout: every prompt repeated group_size times, sampled in one batch with a KV cache
+            prompt_indices, rows = prompts_for_step(step)
+            prompt_list = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.chat_template,
+                                         args.max_prompt_length)
+            prompt_ids, prompt_mask = left_pad(prompt_list, tokenizer.pad_token_id, device)
+            prompt_ids = prompt_ids.repeat_interleave(args.group_size, dim=0)  # [B, P], B = prompts x group
+            prompt_mask = prompt_mask.repeat_interleave(args.group_size, dim=0)
+            model.eval()
+            completion_ids, completion_mask, sampler_logp = generate(
+                model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_token_id,
+                pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                generators=prompt_generators(args.seed, step, prompt_indices, device))
+            model.train()
+            truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & (
+                completion_ids[:, -1] != tokenizer.eos_token_id)  # [B]: no EOS within max_new_tokens
+            t_generated = sync_clock()
+            timings["generation"] += t_generated - step_start
 
-        # 2. rewards, on the text up to EOS; other special tokens stay in it, so that a policy cannot hide junk in
-        # tokens that decoding would drop
-        completions = decode_completions(tokenizer, completion_ids, completion_mask)
-        answers = [r["answer"] for r in rows for _ in range(args.group_size)]
-        prompt_texts = [r["prompt"] for r in rows for _ in range(args.group_size)]
-        rewards, rewards_per_fn = compute_rewards(prompt_texts, completions, answers, reward_fns,
-                                                  args.reward_errors)
-        t_rewarded = sync_clock()
-        timings["reward"] += t_rewarded - t_generated
+            # 2. rewards, on the text up to EOS; other special tokens stay in it, so that a policy cannot hide junk in
+            # tokens that decoding would drop
+            completions = decode_completions(tokenizer, completion_ids, completion_mask)
+            answers = [r["answer"] for r in rows for _ in range(args.group_size)]
+            prompt_texts = [r["prompt"] for r in rows for _ in range(args.group_size)]
+            rewards, rewards_per_fn = compute_rewards(prompt_texts, completions, answers, reward_fns,
+                                                      args.reward_errors)
+            t_rewarded = sync_clock()
+            timings["reward"] += t_rewarded - t_generated
 
-        # 3. advantages; a sample whose reward failed (NaN) leaves the loss, and its group is scored without it
-        failed = torch.isnan(rewards)
-        group_means = torch.nanmean(rewards.view(-1, args.group_size), dim=1).nan_to_num(0.0)
-        filled = torch.where(failed, group_means.repeat_interleave(args.group_size), rewards)
-        if distributed and args.scale_rewards == "batch":  # the batch std is over every process's rewards
-            everyone = [torch.empty(local_batch, device=device) for _ in range(args.world_size)]
-            dist.all_gather(everyone, filled.to(device))
-            advantages = group_advantages(torch.cat(everyone), args.group_size, "batch")
-            advantages = advantages[rank * local_batch:(rank + 1) * local_batch]  # [B]
-        else:
-            advantages = group_advantages(filled, args.group_size, args.scale_rewards).to(device)  # [B]
-        loss_mask = completion_mask.clone()
-        loss_mask[failed.to(device)] = 0
-        if args.mask_truncated_completions:
-            loss_mask[truncated] = 0
-        grouped_rewards = filled.view(-1, args.group_size)
-        zero_std_groups = (grouped_rewards == grouped_rewards[:, :1]).all(dim=1).float().mean().item()
+            # 3. advantages; a sample whose reward failed (NaN) leaves the loss, and its group is scored without it
+            failed = torch.isnan(rewards)
+            group_means = torch.nanmean(rewards.view(-1, args.group_size), dim=1).nan_to_num(0.0)
+            filled = torch.where(failed, group_means.repeat_interleave(args.group_size), rewards)
+            if distributed and args.scale_rewards == "batch":  # the batch std is over every process's rewards
+                everyone = [torch.empty(local_batch, device=device) for _ in range(args.world_size)]
+                dist.all_gather(everyone, filled.to(device))
+                advantages = group_advantages(torch.cat(everyone), args.group_size, "batch")
+                advantages = advantages[rank * local_batch:(rank + 1) * local_batch]  # [B]
+            else:
+                advantages = group_advantages(filled, args.group_size, args.scale_rewards).to(device)  # [B]
+            loss_mask = completion_mask.clone()
+            loss_mask[failed.to(device)] = 0
+            if args.mask_truncated_completions:
+                loss_mask[truncated] = 0
+            grouped_rewards = filled.view(-1, args.group_size)
+            zero_std_groups = (grouped_rewards == grouped_rewards[:, :1]).all(dim=1).float().mean().item()
 
-        # 4. reference log-probs (no grad); old log-probs come free from the first iteration (see step 5)
-        micro_batches = [slice(i, i + micro_batch) for i in range(0, local_batch, micro_batch)]
-        ref_logp = torch.zeros_like(sampler_logp)
-        if args.kl_coef != 0.0:
-            with torch.no_grad():
-                for mb in micro_batches:
-                    if reference is None:  # LoRA: the base model is the reference, with the adapter switched off
-                        with model.disable_adapter():
-                            ref_logp[mb] = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb],
+            # 4. reference log-probs (no grad); old log-probs come free from the first iteration (see step 5)
+            micro_batches = [slice(i, i + micro_batch) for i in range(0, local_batch, micro_batch)]
+            ref_logp = torch.zeros_like(sampler_logp)
+            if args.kl_coef != 0.0:
+                with torch.no_grad():
+                    for mb in micro_batches:
+                        if reference is None:  # LoRA: the base model is the reference, with the adapter switched off
+                            with model.disable_adapter():
+                                ref_logp[mb] = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb],
+                                                                   completion_ids[mb], completion_mask[mb],
+                                                                   args.temperature)[0]
+                        else:
+                            ref_logp[mb] = completion_logprobs(reference, prompt_ids[mb], prompt_mask[mb],
                                                                completion_ids[mb], completion_mask[mb],
                                                                args.temperature)[0]
-                    else:
-                        ref_logp[mb] = completion_logprobs(reference, prompt_ids[mb], prompt_mask[mb],
-                                                           completion_ids[mb], completion_mask[mb],
-                                                           args.temperature)[0]
-        t_referenced = sync_clock()
-        timings["reference"] += t_referenced - t_rewarded
+            t_referenced = sync_clock()
+            timings["reference"] += t_referenced - t_rewarded
 
-        # 5. update: num_iterations optimiser steps over the batch, accumulating micro-batches. The weights do not
-        # change within an iteration, so iteration 0's log-probs *are* the rollout policy's: kept as old_logp.
-        counts = torch.tensor([float(loss_mask.sum()), float(local_batch)], device=device)
-        if distributed:
-            dist.all_reduce(counts)
-        total_tokens, total_sequences = counts[0].item(), int(counts[1].item())
-        old_logp = torch.zeros_like(sampler_logp)
-        stat_sums: dict[str, torch.Tensor] = {}  # token-weighted sums, kept on the device: no sync per micro-batch
-        for iteration in range(args.num_iterations):
-            loss_sum = torch.zeros((), device=device)
-            for mb in micro_batches:
-                logp, entropy = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb], completion_ids[mb],
-                                                    completion_mask[mb], args.temperature, with_entropy=True)
-                if iteration == 0:
-                    old_logp[mb] = logp.detach()
-                loss, stats = grpo_loss(
-                    logp, old_logp[mb], ref_logp[mb], advantages[mb], loss_mask[mb],
-                    clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
-                    loss_type=args.loss_type, max_completion_length=args.max_new_tokens, delta=args.delta,
-                    kl_estimator=args.kl_estimator, total_sequences=total_sequences, total_tokens=total_tokens)
-                loss.backward()
-                loss_sum += loss.detach()
-                if iteration == args.num_iterations - 1:  # report the last iteration's view of the batch
-                    tokens = stats.pop("tokens")
-                    stats["entropy"] = (entropy * loss_mask[mb]).sum() / tokens.clamp(min=1.0)
-                    for key, value in {**stats, "tokens": torch.ones(())}.items():
-                        stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
-            # gradients: each process's loss is already divided by the global counts, so the sum is the mean
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+            # 5. update: num_iterations optimiser steps over the batch, accumulating micro-batches. The weights do not
+            # change within an iteration, so iteration 0's log-probs *are* the rollout policy's: kept as old_logp.
+            counts = torch.tensor([float(loss_mask.sum()), float(local_batch)], device=device)
             if distributed:
-                flat = torch.cat([g.reshape(-1).float() for g in grads])
-                dist.all_reduce(flat)
-                grads = list(torch.split(flat, [g.numel() for g in grads]))
-            for p, m, g in zip(trainable, master, grads):
-                m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
-            grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
-                                                       else float("inf"))
-            loss_value = loss_sum.item()
-            if math.isfinite(loss_value) and torch.isfinite(grad_norm):
-                optimizer.step()
-                bad_steps_in_a_row = 0
-                for p, m in zip(trainable, master):
-                    if m is not p:
-                        p.data.copy_(m.data)
-            else:  # a non-finite loss or gradient would poison the weights: skip this update
-                skipped_updates += 1
-                bad_steps_in_a_row += 1
-                print0(f"warning: non-finite loss or gradient at step {step}; update skipped", file=sys.stderr,
-                       enabled=is_main)
-                if bad_steps_in_a_row >= args.max_bad_steps:
-                    raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
-                                       "lower --learning-rate or check the reward scale")
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)
-        t_updated = sync_clock()
-        timings["update"] += t_updated - t_referenced
+                dist.all_reduce(counts)
+            total_tokens, total_sequences = counts[0].item(), int(counts[1].item())
+            old_logp = torch.zeros_like(sampler_logp)
+            stat_sums: dict[str, torch.Tensor] = {}  # token-weighted sums, kept on the device: no sync per micro-batch
+            for iteration in range(args.num_iterations):
+                loss_sum = torch.zeros((), device=device)
+                for mb in micro_batches:
+                    logp, entropy = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb], completion_ids[mb],
+                                                        completion_mask[mb], args.temperature, with_entropy=True)
+                    if iteration == 0:
+                        old_logp[mb] = logp.detach()
+                    loss, stats = grpo_loss(
+                        logp, old_logp[mb], ref_logp[mb], advantages[mb], loss_mask[mb],
+                        clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
+                        loss_type=args.loss_type, max_completion_length=args.max_new_tokens, delta=args.delta,
+                        kl_estimator=args.kl_estimator, total_sequences=total_sequences, total_tokens=total_tokens)
+                    loss.backward()
+                    loss_sum += loss.detach()
+                    if iteration == args.num_iterations - 1:  # report the last iteration's view of the batch
+                        tokens = stats.pop("tokens")
+                        stats["entropy"] = (entropy * loss_mask[mb]).sum() / tokens.clamp(min=1.0)
+                        for key, value in {**stats, "tokens": torch.ones(())}.items():
+                            stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
+                # gradients: each process's loss is already divided by the global counts, so the sum is the mean
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+                if distributed:
+                    flat = torch.cat([g.reshape(-1).float() for g in grads])
+                    dist.all_reduce(flat)
+                    grads = list(torch.split(flat, [g.numel() for g in grads]))
+                for p, m, g in zip(trainable, master, grads):
+                    m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
+                grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
+                                                           else float("inf"))
+                loss_value = loss_sum.item()
+                if math.isfinite(loss_value) and torch.isfinite(grad_norm):
+                    optimizer.step()
+                    bad_steps_in_a_row = 0
+                    for p, m in zip(trainable, master):
+                        if m is not p:
+                            p.data.copy_(m.data)
+                else:  # a non-finite loss or gradient would poison the weights: skip this update
+                    skipped_updates += 1
+                    bad_steps_in_a_row += 1
+                    print0(f"warning: non-finite loss or gradient at step {step}; update skipped", file=sys.stderr,
+                           enabled=is_main)
+                    if bad_steps_in_a_row >= args.max_bad_steps:
+                        raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
+                                           "lower --learning-rate or check the reward scale")
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                model.zero_grad(set_to_none=True)
+            t_updated = sync_clock()
+            timings["update"] += t_updated - t_referenced
 
-        # 6. log (metrics averaged over processes), evaluate, save
-        step_time = t_updated - step_start
-        step_times.append(step_time)
-        n_generated = int(completion_mask.sum())
-        generated_tokens += n_generated
-        trained_tokens += int(loss_mask.sum()) * args.num_iterations
-        stat_sums = {key: value.item() for key, value in stat_sums.items()}
-        token_count = max(stat_sums.pop("tokens", 0.0), 1.0)
-        local = {
-            "reward": rewards.nanmean().item(),
-            "reward_std": rewards[~failed].std().item() if (~failed).sum() > 1 else 0.0,
-            **{f"reward_{name}": values.nanmean().item() for name, values in rewards_per_fn.items()},
-            "accuracy": rewards_per_fn["answer"].nanmean().item() if "answer" in rewards_per_fn else float("nan"),
-            "loss": loss_value,
-            **{key: value / token_count for key, value in stat_sums.items()},
-            "grad_norm": grad_norm.item(),
-            "frac_zero_std_groups": zero_std_groups,
-            "completion_length": completion_mask.sum(1).float().mean().item(),
-            "truncated_frac": truncated.float().mean().item(),
-            "reward_errors": float(failed.sum()),
-            # training and sampler log-probs of the same tokens, same weights: any gap is numerical mismatch
-            "logp_gap_max": ((old_logp - sampler_logp).abs() * completion_mask).max().item(),
-            "logp_gap_mean": ((old_logp - sampler_logp).abs() * completion_mask).sum().item()
-            / max(n_generated, 1),
-        }
-        if distributed:
-            keys = sorted(local)
-            values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
-            dist.all_reduce(values)
-            local = {k: v / args.world_size for k, v in zip(keys, values.tolist())}
-            local["reward_errors"] *= args.world_size
-        memory_samples.append(memory_mb(device))
-        metrics = {**local, "learning_rate": scheduler.get_last_lr()[0], "step_time_s": step_time,
-                   "generation_time_s": t_generated - step_start, "reward_time_s": t_rewarded - t_generated,
-                   "reference_time_s": t_referenced - t_rewarded, "update_time_s": t_updated - t_referenced,
-                   "memory_mb": memory_samples[-1]}
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
-            eval_accuracy = metrics["eval_accuracy"] = run_eval(step + 1)
-        logger.log(step + 1, metrics)
-        # a signal stops every process after the same step (torchrun forwards it to all, not at the same moment)
-        stop = torch.tensor([float(len(stop_signal))], device=device)
-        if distributed:
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        interrupted = stop.item() > 0
-        if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
-            path = checkpoint(step + 1)
-        if interrupted:
-            print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
-                   f"python grpo.py <the same flags> --resume-from {path}", enabled=is_main)
-            break
+            # 6. log (metrics averaged over processes), evaluate, save
+            step_time = t_updated - step_start
+            step_times.append(step_time)
+            n_generated = int(completion_mask.sum())
+            generated_tokens += n_generated
+            trained_tokens += int(loss_mask.sum()) * args.num_iterations
+            stat_sums = {key: value.item() for key, value in stat_sums.items()}
+            token_count = max(stat_sums.pop("tokens", 0.0), 1.0)
+            local = {
+                "reward": rewards.nanmean().item(),
+                "reward_std": rewards[~failed].std().item() if (~failed).sum() > 1 else 0.0,
+                **{f"reward_{name}": values.nanmean().item() for name, values in rewards_per_fn.items()},
+                "accuracy": rewards_per_fn["answer"].nanmean().item() if "answer" in rewards_per_fn else float("nan"),
+                "loss": loss_value,
+                **{key: value / token_count for key, value in stat_sums.items()},
+                "grad_norm": grad_norm.item(),
+                "frac_zero_std_groups": zero_std_groups,
+                "completion_length": completion_mask.sum(1).float().mean().item(),
+                "truncated_frac": truncated.float().mean().item(),
+                "reward_errors": float(failed.sum()),
+                # training and sampler log-probs of the same tokens, same weights: any gap is numerical mismatch
+                "logp_gap_max": ((old_logp - sampler_logp).abs() * completion_mask).max().item(),
+                "logp_gap_mean": ((old_logp - sampler_logp).abs() * completion_mask).sum().item()
+                / max(n_generated, 1),
+            }
+            if distributed:
+                keys = sorted(local)
+                values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
+                dist.all_reduce(values)
+                local = {k: v / args.world_size for k, v in zip(keys, values.tolist())}
+                local["reward_errors"] *= args.world_size
+            memory_samples.append(memory_mb(device))
+            metrics = {**local, "learning_rate": scheduler.get_last_lr()[0], "step_time_s": step_time,
+                       "generation_time_s": t_generated - step_start, "reward_time_s": t_rewarded - t_generated,
+                       "reference_time_s": t_referenced - t_rewarded, "update_time_s": t_updated - t_referenced,
+                       "memory_mb": memory_samples[-1]}
+            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
+                eval_accuracy = metrics["eval_accuracy"] = run_eval(step + 1)
+            logger.log(step + 1, metrics)
+            # a signal stops every process after the same step (torchrun forwards it to all, not at the same moment)
+            stop = torch.tensor([float(len(stop_signal))], device=device)
+            if distributed:
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            interrupted = stop.item() > 0
+            if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
+                path = checkpoint(step + 1)
+            if interrupted:
+                print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
+                       f"python grpo.py <the same flags> --resume-from {path}", enabled=is_main)
+                break
+    finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
 
     # ---- final evaluation, model, benchmark summary
     total_time = time.perf_counter() - run_start
-    for sig, handler in previous_handlers.items():
-        signal.signal(sig, handler)
     if not interrupted:
         eval_accuracy = run_eval(start_step + len(step_times))
         if is_main:
