@@ -955,8 +955,12 @@ def train(args: Args) -> dict:
         set_rng_state(state["rng"])
         print0(f"resumed from {resume_path} at step {start_step}", enabled=is_main)
     if is_main:
-        if resume_path is None and args.overwrite:
-            shutil.rmtree(output_dir, ignore_errors=True)
+        if resume_path is None and args.overwrite:  # only what a run writes: the directory may hold other things
+            for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+                if name in ("metrics.jsonl", "summary.json", "final", "final.tmp") or re.fullmatch(
+                        r"checkpoint-\d+(\.tmp)?", name):
+                    target = os.path.join(output_dir, name)
+                    shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
         os.makedirs(output_dir, exist_ok=True)
         metrics_path = os.path.join(output_dir, "metrics.jsonl")
         if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written

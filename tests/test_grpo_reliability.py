@@ -78,8 +78,12 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     code, err = run_main(["--output-dir", str(out), *QUICK], capsys)
     assert code == 2 and "already holds a run" in err and "--overwrite" in err
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (out / "checkpoint-7").mkdir()
+    (out / "notes.txt").write_text("mine")
     code, _ = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "1", "--overwrite"], capsys)
     assert code == 0 and len(read_metrics(out)) == 1
+    assert not (out / "checkpoint-7").exists()  # the old run's files are gone
+    assert (out / "notes.txt").read_text() == "mine"  # and nothing else was touched
 
 
 def test_resume_refuses_another_scripts_or_models_checkpoint(tmp_path, capsys):
