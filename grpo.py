@@ -537,7 +537,7 @@ def prompt_generators(seed: int, step: int, prompt_indices: list[int], device) -
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int, pad_id: int, temperature=1.0,
-             top_p=1.0, top_k=0, generators: Optional[list] = None):
+             top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1):
     """Complete left-padded prompts with a KV cache. prompt_ids, prompt_mask [B, P].
 
     With `generators` (one per group of B / len(generators) consecutive rows) tokens are sampled from
@@ -546,7 +546,8 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
     Without generators decoding is greedy. Returns completion ids [B, T] (pad after EOS), the completion mask
     [B, T] (1 up to and including the first EOS), and the sampler's log-probs [B, T] of the chosen tokens under
     softmax(logits / T) over the whole vocabulary (what the training pass computes; top-k/top-p only choose
-    which token is drawn).
+    which token is drawn). With group_size > 1, rows come in groups of identical prompts: each prompt is encoded
+    once and its KV cache copied to its group (a G-fold cheaper prefill, which dominates for long prompts).
     """
     from transformers import DynamicCache
 
@@ -555,8 +556,12 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
     position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
     attention_mask = prompt_mask
     cache = DynamicCache()
-    logits = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    unique = slice(None, None, group_size)  # one row per group of identical prompts
+    logits = model(input_ids=prompt_ids[unique], attention_mask=attention_mask[unique],
+                   position_ids=position_ids[unique], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    if group_size > 1:
+        cache.batch_repeat_interleave(group_size)
+        logits = logits.repeat_interleave(group_size, dim=0)  # [B, V]
     next_position = position_ids[:, -1:] + 1  # [B, 1]
     finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens, logps = [], []
@@ -1029,7 +1034,7 @@ def train(args: Args) -> dict:
             completion_ids, completion_mask, sampler_logp = generate(
                 model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_token_id,
                 pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                generators=prompt_generators(args.seed, step, prompt_indices, device))
+                generators=prompt_generators(args.seed, step, prompt_indices, device), group_size=args.group_size)
             model.train()
             truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & (
                 completion_ids[:, -1] != tokenizer.eos_token_id)  # [B]: no EOS within max_new_tokens

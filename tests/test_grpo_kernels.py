@@ -988,3 +988,20 @@ def test_prompt_streams_do_not_depend_on_the_split(tiny):
                                                   max_new_tokens=5, eos_id=tokenizer.eos_token_id,
                                                   pad_id=tokenizer.pad_token_id,
                                                   generators=prompt_generators(7, 4, [0], "cpu"))[0])
+
+
+def test_shared_prompt_prefill_gives_the_same_rollouts(tiny):
+    """group_size > 1 encodes each prompt once and copies its KV cache to the group: same tokens, same log-probs."""
+    from grpo import prompt_generators
+
+    tokenizer, models, prompt_lists = tiny
+    group = 3
+    rows = [prompt for prompt in prompt_lists for _ in range(group)]  # groups of identical, left-padded prompts
+    ids, mask = left_pad(rows, tokenizer.pad_token_id, "cpu")
+    runs = [generate(models["sharp"], ids, mask, max_new_tokens=6, eos_id=tokenizer.eos_token_id,
+                     pad_id=tokenizer.pad_token_id, temperature=0.9,
+                     generators=prompt_generators(1, 0, list(range(len(prompt_lists))), "cpu"), group_size=g)
+            for g in (1, group)]
+    (tokens, mask_a, logp_a), (shared, mask_b, logp_b) = runs
+    assert torch.equal(tokens, shared) and torch.equal(mask_a, mask_b)
+    torch.testing.assert_close(logp_a, logp_b, atol=1e-5, rtol=0)
