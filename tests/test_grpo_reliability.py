@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import grpo
+from conftest import run_script_main
 from test_grpo_runs import QUICK, REPO_ROOT, read_metrics, run_grpo, save_tiny
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
@@ -19,18 +20,7 @@ TIMING_KEYS = {"step_time_s", "generation_time_s", "reward_time_s", "reference_t
 
 
 def run_main(argv: list[str], capsys, with_stdout: bool = False):
-    """grpo.main() in this process, as the command line would run it: (exit code, stderr), or with stdout too."""
-    saved = sys.argv
-    sys.argv = ["grpo.py", *argv]
-    try:
-        grpo.main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    finally:
-        sys.argv = saved
-    captured = capsys.readouterr()
-    return (code, captured.out, captured.err) if with_stdout else (code, captured.err)
+    return run_script_main(grpo.main, "grpo.py", argv, capsys, with_stdout)
 
 
 def bad_rows_file(tmp_path: Path, text: str) -> str:

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import prm
+from conftest import run_script_main
 from test_prm import QUICK, REPO_ROOT, builtin_rows, read_metrics, read_summary, run_prm, write_rows
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
@@ -21,18 +22,7 @@ ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 
 
 def run_main(argv: list[str], capsys, with_stdout: bool = False):
-    """prm.main() in this process, as the command line would run it: (exit code, stderr), or with stdout too."""
-    saved = sys.argv
-    sys.argv = ["prm.py", *argv]
-    try:
-        prm.main()
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    finally:
-        sys.argv = saved
-    captured = capsys.readouterr()
-    return (code, captured.out, captured.err) if with_stdout else (code, captured.err)
+    return run_script_main(prm.main, "prm.py", argv, capsys, with_stdout)
 
 
 def bytes_file(tmp_path: Path, content: bytes) -> str:
