@@ -10,15 +10,19 @@ Where this file departs from the paper, and why:
    epsilons (DAPO, https://arxiv.org/abs/2503.14476) and an optional two-sided bound `delta` on r
    (INTELLECT-2). Some trainers take `max` when A < 0, which removes the corrective gradient: not here.
 2. The KL penalty is added to the per-token loss (the paper's form), estimated with k3 by default
-   (http://joschu.net/blog/kl-approx.html); `--kl-coef 0` (the default, as in TRL) builds no reference at all.
+   (http://joschu.net/blog/kl-approx.html); `--kl-coef 0` builds no reference model at all.
 3. Loss aggregation is explicit (`--loss-type`, see `grpo_loss`), and every normaliser is the count over the
    whole batch, across micro-batches and processes, so the update never depends on how the batch is split.
-4. `--scale-rewards group|batch|none`: Dr. GRPO (https://arxiv.org/abs/2503.20783) drops the std scaling.
+4. `--scale-rewards group|batch|none`: the paper divides by each group's std; the default divides by the batch's
+   (reward differences keep their scale across groups); Dr. GRPO (https://arxiv.org/abs/2503.20783) uses none.
 5. Log-probs are computed at completion positions only, from logits divided by the sampling temperature, in
    fp32; the sampler's own log-probs are kept and their gap to the training log-probs is logged every step.
+6. Each prompt's completions are sampled from its own random stream, keyed by (seed, step, prompt index), with
+   the Gumbel-max trick: rollouts do not depend on how prompts are split across processes, and a resumed run
+   samples exactly what an uninterrupted one would.
 
 Run it:
-    python grpo.py                                     # tiny model, built-in task, CPU, a few minutes
+    python grpo.py                                     # tiny model, built-in task, CPU, about a minute
     python grpo.py --kl-coef 0.05 --loss-type grpo     # any flag: python grpo.py --help
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl --lora-r 16 --kl-coef 0.05 \\
         --max-new-tokens 256 --learning-rate 1e-5 --output-dir runs/qwen-gsm8k
