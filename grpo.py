@@ -29,6 +29,7 @@ Run it:
     torchrun --standalone --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl
 """
 
+import contextlib
 import copy
 import functools
 import json
@@ -1077,17 +1078,14 @@ def train(args: Args) -> dict:
             micro_batches = [slice(i, i + micro_batch) for i in range(0, local_batch, micro_batch)]
             ref_logp = torch.zeros_like(sampler_logp)
             if args.kl_coef != 0.0:
-                with torch.no_grad():
+                # LoRA: the base model is the reference, with the adapter switched off; otherwise the frozen copy
+                reference_model = model if reference is None else reference
+                switch = model.disable_adapter() if reference is None else contextlib.nullcontext()
+                with torch.no_grad(), switch:
                     for mb in micro_batches:
-                        if reference is None:  # LoRA: the base model is the reference, with the adapter switched off
-                            with model.disable_adapter():
-                                ref_logp[mb] = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb],
-                                                                   completion_ids[mb], completion_mask[mb],
-                                                                   args.temperature)[0]
-                        else:
-                            ref_logp[mb] = completion_logprobs(reference, prompt_ids[mb], prompt_mask[mb],
-                                                               completion_ids[mb], completion_mask[mb],
-                                                               args.temperature)[0]
+                        ref_logp[mb] = completion_logprobs(reference_model, prompt_ids[mb], prompt_mask[mb],
+                                                           completion_ids[mb], completion_mask[mb],
+                                                           args.temperature)[0]
             t_referenced = sync_clock()
             timings["reference"] += t_referenced - t_rewarded
 
