@@ -42,6 +42,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Callable, Literal, Optional
@@ -187,6 +188,9 @@ class Args:
     """auto = cuda when available, else cpu"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, about 30% more compute)"""
+    fsdp: bool = False
+    """shard weights, gradients and optimiser state over the processes with FSDP2 (CUDA only; for models that do
+    not fit one GPU): weights stay fp32, computed in --dtype"""
     peak_tflops: float = 0.0
     """peak dense bf16 TFLOP/s of one device, for MFU; 0 = guess from the CUDA device name"""
 
@@ -542,7 +546,7 @@ def prompt_generators(seed: int, step: int, prompt_indices: list[int], device) -
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int, pad_id: int, temperature=1.0,
-             top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1):
+             top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1, stop_together=False):
     """Complete left-padded prompts with a KV cache. prompt_ids, prompt_mask [B, P].
 
     With `generators` (one per group of B / len(generators) consecutive rows) tokens are sampled from
@@ -553,6 +557,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
     softmax(logits / T) over the whole vocabulary (what the training pass computes; top-k/top-p only choose
     which token is drawn). With group_size > 1, rows come in groups of identical prompts: each prompt is encoded
     once and its KV cache copied to its group (a G-fold cheaper prefill, which dominates for long prompts).
+    stop_together: decode until every process's rows have ended (under FSDP each forward is a collective).
     """
     from transformers import DynamicCache
 
@@ -584,7 +589,11 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
         tokens.append(token)
         logps.append(torch.log_softmax(scaled, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1))
         finished |= token == eos_id
-        if finished.all():
+        all_finished = finished.all()
+        if stop_together:
+            all_finished = all_finished.float()
+            dist.all_reduce(all_finished, op=dist.ReduceOp.MIN)
+        if all_finished:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
         logits = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,
@@ -618,6 +627,49 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=num_completion + 1, use_cache=False).logits[:, :-1]  # [B, T, V]
     return token_logprobs(logits, completion_ids, temperature, with_entropy)
+
+
+# FSDP2 also runs on CPU over gloo, which the tests use to check the sharded path; users get a clear error there
+FSDP_DEVICE_TYPES = ("cuda",)
+
+
+def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None:
+    """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), in place: each transformer block
+    (the model's `_no_split_modules`) is one unit whose weights are all-gathered just before its forward and
+    freed after, the embeddings and head form the root unit. Weights, gradients and optimiser state stay sharded
+    in fp32; forward and backward run in compute_dtype, gradients are reduced in fp32. Gradients are summed, not
+    averaged, over processes: each process's loss is already divided by the global counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    if not blocks:
+        raise UserError(f"--fsdp: found no transformer blocks to shard in {type(model).__name__} (its "
+                        "_no_split_modules is empty); run without --fsdp")
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # a plain SUM (gloo has no pre-multiplied sum)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def full_state_dicts(model, optimizer=None) -> tuple[dict, Optional[dict]]:
+    """Whole (unsharded) model and optimiser state dicts of a sharded model, on the CPU of rank 0 (empty
+    elsewhere); every process must call it, since it gathers the shards."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    # tied weights (embeddings = output head) come back once per name; saved once, as save_pretrained does
+    for name in {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(dict(model.named_parameters())):
+        weights.pop(name, None)
+    return weights, get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
 
 
 def apply_lora(model, args: Args):
@@ -742,7 +794,8 @@ def evaluate(model, tokenizer, rows, args: Args, device) -> tuple[float, list[st
         ids, mask = left_pad(encode_prompts(tokenizer, [r["prompt"] for r in batch], args.chat_template,
                                             args.max_prompt_length), tokenizer.pad_token_id, device)
         completion_ids, completion_mask, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
-                                        eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+                                                      eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                                      stop_together=args.fsdp)
         texts = decode_completions(tokenizer, completion_ids, completion_mask)
         correct += sum(answer_reward(t, r["answer"]) for t, r in zip(texts, batch))
         samples += [f"{r['prompt']!r} -> {t!r}" for t, r in zip(texts, batch)][:3 - len(samples)]
@@ -768,11 +821,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Optional[dict]) -> None:
-    """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact."""
+def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Optional[dict],
+                    state_dict: Optional[dict] = None) -> None:
+    """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact.
+    state_dict: the gathered weights of a sharded model (FSDP), which the model cannot read itself."""
     temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
-    model.save_pretrained(temporary, max_shard_size="1000GB")  # one file, so resuming can read it back whole
+    # one file, so that resuming can read it back whole
+    model.save_pretrained(temporary, max_shard_size="1000GB", state_dict=state_dict)
     tokenizer.save_pretrained(temporary)
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump({"script": "grpo.py", **asdict(args)}, f, indent=2)
@@ -794,7 +850,7 @@ def checkpoint_steps(output_dir: str) -> list[int]:
 
 # what a checkpoint must agree on with the run that resumes from it
 RESUME_MUST_MATCH = ("model", "data_path", "lora_r", "lora_target_modules", "prompts_per_step", "group_size",
-                     "num_iterations", "loss_type", "kl_coef", "seed")
+                     "num_iterations", "loss_type", "kl_coef", "seed", "fsdp")
 
 
 def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
@@ -850,6 +906,10 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.micro_batch_size >= 0, "--micro-batch-size must be >= 0 (0 = the whole batch at once)")
     check(args.dtype != "bfloat16" or device.type != "cuda" or torch.cuda.is_bf16_supported(),
           "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
+    check(not args.fsdp or device.type in FSDP_DEVICE_TYPES, "--fsdp needs CUDA: it shards the model over GPUs "
+          "(FSDP2 over NCCL); on CPU drop the flag (torchrun without it keeps a whole copy on every process)")
+    check(not args.fsdp or world_size > 1, "--fsdp shards the model over processes: launch with torchrun "
+          "--nproc_per_node N (N > 1), or drop the flag")
 
 
 def train(args: Args) -> dict:
@@ -891,7 +951,9 @@ def train(args: Args) -> dict:
     seed_everything(args.seed)  # the same on every rank: identical initial weights
 
     # ---- model, reference policy, optimiser
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype, args.trust_remote_code)
+    # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
+    model, tokenizer = load_model_and_tokenizer(args.model, torch.float32 if args.fsdp else dtype,
+                                                args.trust_remote_code)
     disable_dropout(model)
     reference = None
     if args.lora_r > 0:
@@ -903,7 +965,7 @@ def train(args: Args) -> dict:
             model = apply_lora(model, args)
     else:
         if args.kl_coef != 0.0:  # the reference is the initial policy: copied before any resumed weights load
-            reference = copy.deepcopy(model).eval().requires_grad_(False).to(device)
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
         if resume_path:
             from safetensors.torch import load_file
 
@@ -914,7 +976,13 @@ def train(args: Args) -> dict:
             if unexpected or set(missing) - tied:
                 raise UserError(f"--resume-from {resume_path}: its weights do not fit {args.model} "
                                 f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
-    model.to(device)
+    if args.fsdp:  # each process keeps 1/N of the weights, moved to its GPU shard by shard
+        shard_model(model, device, dtype)
+        if reference is not None:
+            shard_model(reference, device, dtype)
+    else:
+        model.to(device)
+        reference = reference.to(device) if reference is not None else None
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # generation passes its own cache
@@ -957,7 +1025,13 @@ def train(args: Args) -> dict:
     bad_steps_in_a_row = skipped_updates = 0
     if resume_path:
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
+        if args.fsdp:  # saved whole (keyed by parameter name): each process keeps its shard of it
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         for p, m in zip(trainable, master):
             p.data.copy_(m.data)
@@ -991,21 +1065,26 @@ def train(args: Args) -> dict:
            f"{args.group_size} completions per step", enabled=is_main)
 
     def checkpoint(step: int) -> str:
-        """checkpoint-STEP on rank 0, keeping the newest --keep-checkpoints."""
+        """checkpoint-STEP on rank 0, keeping the newest --keep-checkpoints (under FSDP every rank calls it: the
+        shards are gathered)."""
         path = os.path.join(output_dir, f"checkpoint-{step}")
+        weights, optimizer_state = full_state_dicts(model, optimizer) if args.fsdp else (None, optimizer.state_dict())
         if is_main:
             save_checkpoint(path, model, tokenizer, args, {
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state()})
+                "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
+                "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state()}, weights)
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
 
     def run_eval(step: int) -> float:
-        """Greedy held-out accuracy on rank 0 (other ranks wait at their next collective)."""
-        if not is_main:
+        """Greedy held-out accuracy on rank 0 (other ranks wait at their next collective). Under FSDP every rank
+        evaluates the same rows, since every forward pass is a collective."""
+        if not is_main and not args.fsdp:
             return float("nan")
         accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device)
+        if not is_main:
+            return float("nan")
         print0(f"eval accuracy at step {step}: {accuracy:.3f}" + (f"  (e.g. {'; '.join(samples)})" if samples else ""))
         return accuracy
 
@@ -1039,7 +1118,8 @@ def train(args: Args) -> dict:
             completion_ids, completion_mask, sampler_logp = generate(
                 model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_token_id,
                 pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                generators=prompt_generators(args.seed, step, prompt_indices, device), group_size=args.group_size)
+                generators=prompt_generators(args.seed, step, prompt_indices, device), group_size=args.group_size,
+                stop_together=args.fsdp)
             model.train()
             truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & (
                 completion_ids[:, -1] != tokenizer.eos_token_id)  # [B]: no EOS within max_new_tokens
@@ -1100,6 +1180,8 @@ def train(args: Args) -> dict:
             for iteration in range(args.num_iterations):
                 loss_sum = torch.zeros((), device=device)
                 for mb in micro_batches:
+                    if args.fsdp:  # reduce-scatter the gradients once, after the last micro-batch
+                        model.set_requires_gradient_sync(mb == micro_batches[-1])
                     logp, entropy = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb], completion_ids[mb],
                                                         completion_mask[mb], args.temperature, with_entropy=True)
                     if iteration == 0:
@@ -1117,15 +1199,19 @@ def train(args: Args) -> dict:
                         for key, value in {**stats, "tokens": torch.ones(())}.items():
                             stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
                 # gradients: each process's loss is already divided by the global counts, so the sum is the mean
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
-                if distributed:
-                    flat = torch.cat([g.reshape(-1).float() for g in grads])
-                    dist.all_reduce(flat)
-                    grads = list(torch.split(flat, [g.numel() for g in grads]))
-                for p, m, g in zip(trainable, master, grads):
-                    m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
+                # (FSDP has summed them already, in its reduce-scatter)
+                if not args.fsdp:
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+                    if distributed:
+                        flat = torch.cat([g.reshape(-1).float() for g in grads])
+                        dist.all_reduce(flat)
+                        grads = list(torch.split(flat, [g.numel() for g in grads]))
+                    for p, m, g in zip(trainable, master, grads):
+                        m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
                 grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
                                                            else float("inf"))
+                if hasattr(grad_norm, "full_tensor"):  # FSDP: a norm over shards, reduced over processes here
+                    grad_norm = grad_norm.full_tensor()
                 loss_value = loss_sum.item()
                 if math.isfinite(loss_value) and torch.isfinite(grad_norm):
                     optimizer.step()
@@ -1141,7 +1227,9 @@ def train(args: Args) -> dict:
                     if bad_steps_in_a_row >= args.max_bad_steps:
                         raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
                                            "lower --learning-rate or check the reward scale")
-                scheduler.step()
+                with warnings.catch_warnings():  # a skipped first update is meant: the schedule counts updates tried
+                    warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 model.zero_grad(set_to_none=True)
             t_updated = sync_clock()
@@ -1153,31 +1241,41 @@ def train(args: Args) -> dict:
             n_generated = int(completion_mask.sum())
             generated_tokens += n_generated
             trained_tokens += int(loss_mask.sum()) * args.num_iterations
-            stat_sums = {key: value.item() for key, value in stat_sums.items()}
-            token_count = max(stat_sums.pop("tokens", 0.0), 1.0)
-            local = {
+            # reduced over processes by summing: the token-weighted loss statistics and their token count; the loss
+            # (each process's is its share of the batch loss); reward errors; the count, sum and sum of squares of
+            # the rewards, for their std over the whole batch
+            scored = rewards[~failed]
+            token_sums = {key: value.item() for key, value in stat_sums.items()}
+            totals = {"loss": loss_value, "reward_errors": float(failed.sum()), "reward_count": float(scored.numel()),
+                      "reward_sum": scored.sum().item(), "reward_squares": (scored.double() ** 2).sum().item()}
+            means = {  # over the same number of completions on every process: averaged
                 "reward": rewards.nanmean().item(),
-                "reward_std": rewards[~failed].std().item() if (~failed).sum() > 1 else 0.0,
                 **{f"reward_{name}": values.nanmean().item() for name, values in rewards_per_fn.items()},
                 "accuracy": rewards_per_fn["answer"].nanmean().item() if "answer" in rewards_per_fn else float("nan"),
-                "loss": loss_value,
-                **{key: value / token_count for key, value in stat_sums.items()},
                 "grad_norm": grad_norm.item(),
                 "frac_zero_std_groups": zero_std_groups,
                 "completion_length": completion_mask.sum(1).float().mean().item(),
                 "truncated_frac": truncated.float().mean().item(),
-                "reward_errors": float(failed.sum()),
                 # training and sampler log-probs of the same tokens, same weights: any gap is numerical mismatch
-                "logp_gap_max": ((old_logp - sampler_logp).abs() * completion_mask).max().item(),
                 "logp_gap_mean": ((old_logp - sampler_logp).abs() * completion_mask).sum().item()
                 / max(n_generated, 1),
             }
+            gap_max = ((old_logp - sampler_logp).abs() * completion_mask).max().reshape(1)
             if distributed:
-                keys = sorted(local)
-                values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=device)
+                merged = {**means, **token_sums, **totals}
+                keys = sorted(merged)
+                values = torch.tensor([merged[k] for k in keys], dtype=torch.float64, device=device)
                 dist.all_reduce(values)
-                local = {k: v / args.world_size for k, v in zip(keys, values.tolist())}
-                local["reward_errors"] *= args.world_size
+                dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
+                reduced = dict(zip(keys, values.tolist()))
+                means = {k: reduced[k] / args.world_size for k in means}
+                token_sums, totals = {k: reduced[k] for k in token_sums}, {k: reduced[k] for k in totals}
+            tokens = max(token_sums.pop("tokens", 0.0), 1.0)
+            count, total, squares = totals["reward_count"], totals["reward_sum"], totals["reward_squares"]
+            local = {**means, **{key: value / tokens for key, value in token_sums.items()}, "loss": totals["loss"],
+                     "reward_errors": totals["reward_errors"], "logp_gap_max": gap_max.item(),
+                     "reward_std": math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) if count > 1
+                     else 0.0}
             memory_samples.append(memory_mb(device))
             metrics = {**local, "learning_rate": scheduler.get_last_lr()[0], "step_time_s": step_time,
                        "generation_time_s": t_generated - step_start, "reward_time_s": t_rewarded - t_generated,
@@ -1205,8 +1303,9 @@ def train(args: Args) -> dict:
     total_time = time.perf_counter() - run_start
     if not interrupted:
         eval_accuracy = run_eval(start_step + len(step_times))
+        weights = full_state_dicts(model)[0] if args.fsdp else None
         if is_main:
-            save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None)
+            save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None, weights)
     steps_done = len(step_times)
     timed = step_times[1:] or step_times  # the first step pays for warm-up (allocations, kernel selection)
     update_time = max(timings["update"], 1e-9)

@@ -165,8 +165,8 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, about 30% more compute)"""
     fsdp: bool = False
-    """shard parameters, gradients and optimiser state with FSDP2 (CUDA only). Not implemented in prm.py yet: the
-    flag is refused with an error rather than ignored; without it, every process holds the whole model"""
+    """shard weights, gradients and optimiser state over the processes with FSDP2 (CUDA only; for models that do
+    not fit one GPU): weights stay fp32, the backbone computes in --dtype"""
     peak_tflops: float = 0.0
     """peak dense bf16 TFLOP/s of one device, for MFU; 0 = guess from the CUDA device name"""
 
@@ -570,6 +570,47 @@ def apply_lora(backbone, args: Args):
     return get_peft_model(backbone, config)
 
 
+# FSDP2 also runs on CPU over gloo, which the tests use to check the sharded path; users get a clear error there
+FSDP_DEVICE_TYPES = ("cuda",)
+
+
+def shard_prm(prm: ProcessRewardModel, device: torch.device, compute_dtype: torch.dtype) -> None:
+    """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), in place: each transformer block
+    of the backbone (its `_no_split_modules`) is one unit whose weights are all-gathered just before its forward
+    and freed after; the head is a unit of its own that computes in fp32; the embeddings form the root unit.
+    Weights, gradients and optimiser state stay sharded in fp32; gradients are reduced in fp32 and summed, not
+    averaged, over processes: each process's loss is already divided by the global count of labelled steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    block_names = {name for module in prm.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    blocks = [module for module in prm.backbone.modules() if type(module).__name__ in block_names]
+    if not blocks:
+        raise UserError(f"--fsdp: found no transformer blocks to shard in {type(prm.backbone).__name__} (its "
+                        "_no_split_modules is empty); run without --fsdp")
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(prm.head, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    fully_shard(prm, mesh=mesh, mp_policy=policy)
+    for module in prm.modules():
+        if isinstance(module, FSDPModule):  # a plain SUM (gloo has no pre-multiplied sum)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def full_state_dicts(prm: ProcessRewardModel, optimizer=None) -> tuple[dict, Optional[dict]]:
+    """Whole (unsharded) PRM and optimiser state dicts of a sharded PRM, on the CPU of rank 0 (empty elsewhere);
+    every process must call it, since it gathers the shards."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(prm, options=options),
+            get_optimizer_state_dict(prm, optimizer, options=options) if optimizer is not None else None)
+
+
 def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optional[torch.nn.Module]]:
     """Backbone (with LoRA when --lora-r > 0) and a new head, on the CPU. Also returns a copy of the base backbone
     when an adapter will need one saved beside it (the random-init tiny model cannot be reloaded by name)."""
@@ -587,28 +628,32 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
     return ProcessRewardModel(backbone, hidden_size, tokenizer, config), base_copy
 
 
-def write_prm(directory: str, prm: ProcessRewardModel, base_backbone=None) -> None:
-    """The saved-PRM files, written into `directory` (see save_prm); checkpoints hold the same files."""
+def write_prm(directory: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None) -> None:
+    """The saved-PRM files, written into `directory` (see save_prm); checkpoints hold the same files.
+    weights: the gathered state dict of a sharded PRM (FSDP), which its modules cannot read themselves."""
     from safetensors.torch import save_file
 
+    weights = weights if weights is not None else prm.state_dict()
+    backbone = {name.removeprefix("backbone."): w for name, w in weights.items() if name.startswith("backbone.")}
+    head = {name.removeprefix("head."): w for name, w in weights.items() if name.startswith("head.")}
     # one weights file, so that resuming reads it back whole; the backbone alone is what AutoModel reloads
-    prm.backbone.save_pretrained(directory, max_shard_size="1000GB")
+    prm.backbone.save_pretrained(directory, max_shard_size="1000GB", state_dict=backbone)
     if base_backbone is not None:
         base_backbone.save_pretrained(os.path.join(directory, "base"), max_shard_size="1000GB")
     prm.tokenizer.save_pretrained(directory)
-    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in prm.head.state_dict().items()},
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in head.items()},
               os.path.join(directory, "reward_head.safetensors"))
     with open(os.path.join(directory, "prm_config.json"), "w") as f:
         json.dump(prm.config, f, indent=2)
 
 
-def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None) -> None:
+def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None) -> None:
     """final/: the backbone (full fine-tuning) or the LoRA adapter, reward_head.safetensors, the tokenizer and
     prm_config.json. A base that cannot be reloaded by name (the random-init tiny model) is saved under base/.
     Written to a temporary directory, then renamed: a crash mid-write leaves any previous version intact."""
     temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
-    write_prm(temporary, prm, base_backbone)
+    write_prm(temporary, prm, base_backbone, weights)
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(temporary, path)
@@ -716,13 +761,14 @@ def gather_rng_states(distributed: bool, world_size: int) -> list[dict]:
     return [torch.load(io.BytesIO(data), weights_only=True) for data in gathered]
 
 
-def save_checkpoint(path: str, prm: ProcessRewardModel, base_backbone, args: Args, trainer_state: dict) -> None:
+def save_checkpoint(path: str, prm: ProcessRewardModel, base_backbone, args: Args, trainer_state: dict,
+                    weights: Optional[dict] = None) -> None:
     """checkpoint-STEP/: the saved-PRM files (so a checkpoint also loads with load_prm), args.json and
     trainer_state.pt. Written to a temporary directory, then renamed: a crash mid-write leaves any previous
     version intact, and checkpoint_steps never counts a half-written one."""
     temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
-    write_prm(temporary, prm, base_backbone)
+    write_prm(temporary, prm, base_backbone, weights)
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump({"script": "prm.py", **asdict(args)}, f, indent=2)
     torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
@@ -762,7 +808,7 @@ def clear_run(output_dir: str) -> None:
 # what a checkpoint must agree on with the run that resumes from it: the model and its shape, the training rows and
 # their split, the loss, and the batch (the number of processes may change: the update does not depend on it)
 RESUME_MUST_MATCH = ("model", "data_path", "num_val_rows", "step_separator", "max_length", "lora_r", "lora_alpha",
-                     "lora_target_modules", "loss_kind", "batch_size", "seed")
+                     "lora_target_modules", "loss_kind", "batch_size", "seed", "fsdp")
 
 
 def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
@@ -869,10 +915,10 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           f"needs), got {args.keep_checkpoints}")
     check(args.resume_from != "latest" or args.output_dir is not None,
           "--resume-from latest looks in --output-dir: give the run's --output-dir")
-    check(not args.fsdp or device.type == "cuda", "--fsdp needs CUDA (FSDP shards a model over GPUs); on CPU, "
-          "drop the flag: torchrun alone runs data-parallel processes with the whole model in each")
-    check(not args.fsdp, "--fsdp is not implemented in prm.py yet; drop the flag (data-parallel torchrun, "
-          "--lora-r and --gradient-checkpointing reduce memory per process)")
+    check(not args.fsdp or device.type in FSDP_DEVICE_TYPES, "--fsdp needs CUDA: it shards the model over GPUs "
+          "(FSDP2 over NCCL); on CPU drop the flag (torchrun without it keeps a whole copy on every process)")
+    check(not args.fsdp or world_size > 1, "--fsdp shards the model over processes: launch with torchrun "
+          "--nproc_per_node N (N > 1), or drop the flag")
     check(args.dtype != "bfloat16" or device.type != "cuda" or torch.cuda.is_bf16_supported(),
           "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
 
@@ -979,6 +1025,7 @@ def train(args: Args) -> dict:
     if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     is_main = rank == 0
+    evaluates = is_main or args.fsdp  # under FSDP every forward is a collective: all ranks evaluate (the same rows)
     args.local_batch = args.batch_size // args.world_size
     micro_batch = args.micro_batch_size or args.local_batch
     use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
@@ -1022,11 +1069,16 @@ def train(args: Args) -> dict:
         score_rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
 
     # ---- model: backbone (+ LoRA) and reward head; a resumed run loads the checkpoint's weights over them
-    prm, base_copy = build_prm(args, dtype)
+    # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
+    prm, base_copy = build_prm(args, torch.float32 if args.fsdp else dtype)
     if resume_path:
         load_checkpoint_weights(prm, resume_path, args.model)
-    prm.to(device).train()
-    if distributed:  # the seed already makes the weights equal everywhere; a broadcast makes sure of it
+    if args.fsdp:  # each process keeps 1/N of the weights (one copy in all: nothing to broadcast)
+        shard_prm(prm, device, dtype)
+        prm.train()
+    else:
+        prm.to(device).train()
+    if distributed and not args.fsdp:  # the seed already makes the weights equal everywhere; a broadcast makes sure
         for tensor in prm.state_dict().values():
             dist.broadcast(tensor, src=0)
     if args.gradient_checkpointing:
@@ -1083,7 +1135,13 @@ def train(args: Args) -> dict:
             raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's (same "
                             "--data-path and --num-val-rows, but the file changed?); resume on the same data")
         try:
-            optimizer.load_state_dict(state["optimizer"])
+            if args.fsdp:  # saved whole (keyed by parameter name): each process keeps its shard of it
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(prm, optimizer, state["optimizer"],
+                                         options=StateDictOptions(full_state_dict=True))
+            else:
+                optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             separate = [m for p, m in zip(trainable, master) if m is not p]
             for m, saved in zip(separate, state["master"], strict=True):  # the fp32 masters, not rounded weights
@@ -1134,7 +1192,7 @@ def train(args: Args) -> dict:
     if saved_eval is not None:  # the step-0 figures come from the checkpoint: the summary reads as one run
         eval_start, eval_metrics = saved_eval
     else:
-        eval_start = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size) if is_main else {}
+        eval_start = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size) if evaluates else {}
         eval_metrics = eval_start
         print0("eval at step 0: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_start.items())
                + f" (position-only baseline: auroc {baseline['eval_auroc']:.3f}, "
@@ -1152,15 +1210,16 @@ def train(args: Args) -> dict:
         are gathered)."""
         path = os.path.join(output_dir, f"checkpoint-{step}")
         rng_states = gather_rng_states(distributed, args.world_size)
+        weights, optimizer_state = full_state_dicts(prm, optimizer) if args.fsdp else (None, optimizer.state_dict())
         if is_main:
             save_checkpoint(path, prm, base_copy, args, {
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p],
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_states,
                 "eval_start": eval_start, "eval_last": eval_metrics, "data_fingerprint": fingerprint,
                 # informational: where the next batch starts (rebuilt from the step number on resume)
                 "data_position": {"epoch": step * args.batch_size // len(train_examples),
-                                  "row_in_epoch": step * args.batch_size % len(train_examples)}})
+                                  "row_in_epoch": step * args.batch_size % len(train_examples)}}, weights)
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
@@ -1184,6 +1243,8 @@ def train(args: Args) -> dict:
             # 2. forward and backward over micro-batches, gradients accumulating
             loss_sum, tokens, stat_sums = 0.0, 0, {"accuracy": 0.0, "score_mean": 0.0, "steps": 0.0}
             for start in range(0, len(batch), micro_batch):
+                if args.fsdp:  # reduce-scatter the gradients once, after the last micro-batch
+                    prm.set_requires_gradient_sync(start + micro_batch >= len(batch))
                 inputs = collate(batch[start:start + micro_batch], pad_id, device)
                 step_logits = prm(inputs["input_ids"], inputs["attention_mask"], inputs["positions"])  # [b, S]
                 loss, stats = prm_loss(step_logits, inputs["labels"], inputs["mask"], args.loss_kind,
@@ -1203,17 +1264,21 @@ def train(args: Args) -> dict:
                 dist.all_reduce(sums)
             loss_sum, accuracy_sum, score_sum, steps_seen, global_tokens = sums.tolist()
 
-            # 3. update: gradients summed over processes in one flat all-reduce, clipped, applied to the fp32
-            # masters; a non-finite loss or gradient skips the update (all ranks agree: both are global)
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
-            if distributed:
-                flat = torch.cat([g.reshape(-1).float() for g in grads])
-                dist.all_reduce(flat)
-                grads = list(torch.split(flat, [g.numel() for g in grads]))
-            for p, m, g in zip(trainable, master, grads):
-                m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
+            # 3. update: gradients summed over processes in one flat all-reduce (FSDP: already summed by its
+            # reduce-scatter), clipped, applied to the fp32 masters; a non-finite loss or gradient skips the update
+            # (all ranks agree: both are global)
+            if not args.fsdp:
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+                if distributed:
+                    flat = torch.cat([g.reshape(-1).float() for g in grads])
+                    dist.all_reduce(flat)
+                    grads = list(torch.split(flat, [g.numel() for g in grads]))
+                for p, m, g in zip(trainable, master, grads):
+                    m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
             grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
                                                        else float("inf"))
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a norm over shards, reduced over processes here
+                grad_norm = grad_norm.full_tensor()
             if math.isfinite(loss_sum) and torch.isfinite(grad_norm):
                 optimizer.step()
                 bad_steps_in_a_row = 0
@@ -1245,7 +1310,7 @@ def train(args: Args) -> dict:
                        "learning_rate": scheduler.get_last_lr()[0], "labelled_steps": total_labelled,
                        "skipped_updates": skipped_updates, "step_time_s": step_time,
                        "memory_mb": memory_samples[-1]}
-            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and is_main:
+            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and evaluates:
                 eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
                 metrics.update(eval_metrics)
             logger.log(step + 1, metrics)
@@ -1270,14 +1335,17 @@ def train(args: Args) -> dict:
 
     # ---- final evaluation, model, scores, benchmark summary (an interrupted run leaves only its checkpoint)
     total_time = time.perf_counter() - run_start
-    if is_main and not interrupted:
+    if evaluates and not interrupted:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
-        print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()))
-        save_prm(os.path.join(output_dir, "final"), prm, base_copy)
-        if score_rows:
-            scores = score_steps(prm, [r["prompt"] for r in score_rows], [r["completions"] for r in score_rows],
-                                 args.eval_batch_size)
-            write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
+        print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()),
+               enabled=is_main)
+        weights = full_state_dicts(prm)[0] if args.fsdp else None
+        scores = score_steps(prm, [r["prompt"] for r in score_rows], [r["completions"] for r in score_rows],
+                             args.eval_batch_size) if score_rows else None
+        if is_main:
+            save_prm(os.path.join(output_dir, "final"), prm, base_copy, weights)
+            if scores is not None:
+                write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     summary = {
         "steps": start_step + len(step_times),

@@ -1,0 +1,116 @@
+"""--fsdp in both scripts. Users get an error for it on CPU; the tests lift that (tests/fsdp_on_cpu.py) and run
+FSDP2 over gloo with 2 processes, against one plain process on the same global batch: same metrics, same weights
+(to 1e-5), and an exact resume from a sharded checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo
+import prm
+from conftest import run_script_main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+TIMING_KEYS = {"step_time_s", "generation_time_s", "reward_time_s", "reference_time_s", "update_time_s", "memory_mb"}
+
+GRPO_FLAGS = ["--total-steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--micro-batch-size", "8",
+              "--kl-coef", "0.05", "--learning-rate", "1e-3", "--eval-every", "2", "--num-eval-prompts", "8",
+              "--save-every", "2"]
+PRM_FLAGS = ["--total-steps", "3", "--batch-size", "16", "--micro-batch-size", "4", "--eval-every", "2",
+             "--num-eval-rows", "40", "--num-val-rows", "40", "--learning-rate", "1e-3", "--save-every", "2"]
+
+
+def run_one(script: str, out: Path, *flags: str) -> None:
+    process = subprocess.run([sys.executable, f"{script}.py", "--output-dir", str(out), *flags], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=300, env=ENV)
+    assert process.returncode == 0, process.stderr[-3000:]
+
+
+def run_fsdp(script: str, out: Path, *flags: str) -> None:
+    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "tests/fsdp_on_cpu.py", script, "--fsdp", "--output-dir", str(out), *flags],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert process.returncode == 0, process.stderr[-3000:]
+
+
+def metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def weights(directory: Path) -> dict:
+    return {f"{file.name}/{name}": tensor for file in sorted(directory.glob("*.safetensors"))
+            for name, tensor in load_file(file).items()}
+
+
+def assert_close_metrics(sharded: list[dict], plain: list[dict]) -> None:
+    assert [row["step"] for row in sharded] == [row["step"] for row in plain]
+    for a, b in zip(sharded, plain):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6, nan_ok=True), (a["step"], key)
+
+
+def assert_close_weights(a: dict, b: dict, tolerance: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    assert max((a[name] - b[name]).abs().max().item() for name in a) < tolerance
+
+
+@pytest.mark.parametrize("script, flags", [("grpo", GRPO_FLAGS), ("prm", PRM_FLAGS)])
+def test_fsdp_equals_one_process_and_resumes_exactly(script, flags, tmp_path):
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    run_one(script, plain, *flags)
+    run_fsdp(script, sharded, *flags)
+    assert_close_metrics(metrics(sharded), metrics(plain))
+    assert_close_weights(weights(sharded / "final"), weights(plain / "final"))
+    # the update did something: weights moved away from the plain run's step-2 checkpoint
+    assert max((weights(plain / "final")[n] - w).abs().max().item()
+               for n, w in weights(plain / "checkpoint-2").items()) > 1e-4
+    # a sharded checkpoint holds whole weights, loadable without FSDP, equal to the plain run's
+    assert_close_weights(weights(sharded / "checkpoint-2"), weights(plain / "checkpoint-2"))
+
+    # resume the sharded run from step 2: step 3 and the final weights repeat exactly
+    uninterrupted, final = metrics(sharded), weights(sharded / "final")
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (resumed / "metrics.jsonl").write_text("".join(
+        line + "\n" for line in (sharded / "metrics.jsonl").read_text().splitlines()[:2]))
+    os.rename(sharded / "checkpoint-2", resumed / "checkpoint-2")
+    run_fsdp(script, resumed, *flags, "--resume-from", "latest")
+    assert metrics(resumed) == uninterrupted
+    assert_close_weights(weights(resumed / "final"), final, tolerance=1e-7)
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("grpo", ["--total-steps", "2", "--prompts-per-step", "4", "--group-size", "8", "--lora-r", "8",
+              "--kl-coef", "0.05", "--eval-every", "0", "--num-eval-prompts", "8"]),
+    ("prm", ["--total-steps", "2", "--batch-size", "16", "--lora-r", "8", "--eval-every", "0",
+             "--num-eval-rows", "40", "--num-val-rows", "40"]),
+])
+def test_fsdp_with_lora_equals_one_process(script, flags, tmp_path):
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    run_one(script, plain, *flags)
+    run_fsdp(script, sharded, *flags)
+    assert_close_metrics(metrics(sharded), metrics(plain))
+    adapters = weights(sharded / "final")
+    assert any("lora_A" in name for name in adapters)  # the adapter, not the whole model
+    assert_close_weights(adapters, weights(plain / "final"))
+
+
+@pytest.mark.parametrize("module, script", [(grpo, "grpo.py"), (prm, "prm.py")])
+def test_fsdp_is_refused_on_cpu_and_in_one_process(module, script, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    code, err = run_script_main(module.main, script, ["--fsdp", "--output-dir", str(out)], capsys)
+    assert code == 2 and err.startswith("error: --fsdp needs CUDA") and err.count("\n") == 1
+    monkeypatch.setattr(module, "FSDP_DEVICE_TYPES", ("cuda", "cpu"))
+    code, err = run_script_main(module.main, script, ["--fsdp", "--output-dir", str(out)], capsys)
+    assert code == 2 and "launch with torchrun" in err and err.count("\n") == 1
+    assert not out.exists()
+    assert torch.distributed.is_initialized() is False
