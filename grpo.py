@@ -908,13 +908,14 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
     check(not args.fsdp or device.type in FSDP_DEVICE_TYPES, "--fsdp needs CUDA: it shards the model over GPUs "
           "(FSDP2 over NCCL); on CPU drop the flag (torchrun without it keeps a whole copy on every process)")
-    check(not args.fsdp or world_size > 1, "--fsdp shards the model over processes: launch with torchrun "
-          "--nproc_per_node N (N > 1), or drop the flag")
+    check(not args.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards the model over processes: launch with "
+          "torchrun --nproc_per_node N (N = 1 runs the same code unsharded), or drop the flag")
 
 
 def train(args: Args) -> dict:
     # ---- set-up: processes, device, dtype, output directory
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # launched by torchrun with several processes
+    # launched by torchrun with several processes, or with one under --fsdp (which needs a process group)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.fsdp and "WORLD_SIZE" in os.environ)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     if args.device == "auto":

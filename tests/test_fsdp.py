@@ -107,6 +107,7 @@ def test_fsdp_with_lora_equals_one_process(script, flags, tmp_path):
 @pytest.mark.parametrize("module, script", [(grpo, "grpo.py"), (prm, "prm.py")])
 def test_fsdp_is_refused_on_cpu_and_in_one_process(module, script, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # not under torchrun
     code, err = run_script_main(module.main, script, ["--fsdp", "--output-dir", str(out)], capsys)
     assert code == 2 and err.startswith("error: --fsdp needs CUDA") and err.count("\n") == 1
     monkeypatch.setattr(module, "FSDP_DEVICE_TYPES", ("cuda", "cpu"))
