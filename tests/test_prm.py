@@ -350,6 +350,70 @@ def test_scores_do_not_depend_on_batching():
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("lengths, capacity", [([5], 10), ([3, 3, 3, 3], 6), ([9, 1, 8, 2, 7, 3], 10),
+                                                ([10, 10, 10], 10), ([4, 7, 2, 9, 9, 1, 5, 6], 18)])
+def test_pack_bins_places_every_example_once_within_capacity_in_few_nearly_equal_rows(lengths, capacity):
+    bins = prm.pack_bins(lengths, capacity)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    fills = [sum(lengths[i] for i in b) for b in bins]
+    assert all(0 < fill <= capacity for fill in fills)
+    assert len(bins) == math.ceil(sum(lengths) / capacity)  # these cases fit the fewest rows possible
+    assert max(fills) - min(fills) <= max(lengths)
+
+
+def test_packed_batches_give_the_same_logits_and_gradients_as_padded_ones():
+    torch.manual_seed(0)
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    assert prm.use_packing(model) and model.pack_rows
+    tokenizer = model.tokenizer
+    examples, _, _ = prm.encode_rows(tokenizer, builtin_rows(9), "\n", 1024)
+    lengths = [len(e["input_ids"]) for e in examples]
+    assert len(set(lengths)) > 3  # padding would be waste
+    results = {}
+    for pack in (False, True):
+        batch = prm.collate(examples, tokenizer.pad_token_id, "cpu", pack)
+        logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["positions"])
+        loss, _ = prm.prm_loss(logits, batch["labels"], batch["mask"], "bce")
+        model.zero_grad()
+        loss.backward()
+        results[pack] = (batch, logits.detach(), [p.grad.clone() for p in model.parameters()])
+    (padded, padded_logits, padded_grads), (packed, packed_logits, packed_grads) = results[False], results[True]
+    assert packed["tokens"] == padded["tokens"] == sum(lengths)
+    assert packed["input_ids"].numel() < padded["input_ids"].numel()  # fewer rows, only their tails padded
+    assert packed["input_ids"].shape[1] <= 2 * max(lengths)
+    assert torch.equal(packed["labels"], padded["labels"]) and torch.equal(packed["mask"], padded["mask"])
+    mask = padded["mask"]
+    torch.testing.assert_close(packed_logits[mask], padded_logits[mask], atol=1e-5, rtol=1e-5)
+    for a, b in zip(packed_grads, padded_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # scores, packed, equal the unpacked ones
+    rows = builtin_rows(7)
+    prompts, steps = [r["prompt"] for r in rows], [r["completions"] for r in rows]
+    packed_scores = prm.score_steps(model, prompts, steps, batch_size=4)
+    model.pack_rows = False
+    for a, b in zip(packed_scores, prm.score_steps(model, prompts, steps, batch_size=4), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+class PositionBlindBackbone(torch.nn.Module):
+    """A backbone that drops position ids: packed examples would see each other. Packing must be turned down."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.inner, self.config = backbone, backbone.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+
+def test_packing_is_refused_for_a_backbone_that_would_mix_examples():
+    torch.manual_seed(0)
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    model.backbone = PositionBlindBackbone(model.backbone)
+    model.pack_rows = True
+    assert not prm.use_packing(model) and not model.pack_rows
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # End to end, as subprocesses
 
