@@ -435,8 +435,9 @@ def report(results: dict, a, notes: list[str]) -> str:
             if d:
                 lines.append(f"{name} tokens: TRL {d['tokens_per_step']:.1f}/step (batch 8 x mean row "
                              f"{d['mean_row_tokens']:.2f} tokens by {d['tokenised_by']}, max {d['max_row_tokens']}); "
-                             f"expected padded tokens/step {d['padded_tokens_per_step']:.1f} "
-                             + ("(both sides: same rows, both pad to the longest row)" if r.get("shared_rows")
+                             f"TRL pads to the longest row: {d['padded_tokens_per_step']:.1f} tokens/step computed; "
+                             + ("same rows both sides; prm.py packs rows (--pack-rows), computing little padding"
+                                if r.get("shared_rows")
                                 else "(TRL only: ours ran on other data)"))
     lines += [""] + notes
     return "\n".join(lines)
