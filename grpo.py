@@ -781,6 +781,42 @@ def guess_peak_tflops(device) -> float:
     return 0.0
 
 
+def matmul_flops_per_s(device, dtype: torch.dtype, seconds: float = 0.5, size: int = 1024) -> float:
+    """This machine's dense matmul throughput, measured on square matrices for about `seconds`: the reference of the
+    FLOP-floor fraction on CPU, where no peak figure is published."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn_like(a)
+    for _ in range(2):  # warm-up
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * size**3 * count / (time.perf_counter() - start)
+
+
+def weight_counts(model) -> tuple[int, int]:
+    """(body, head): the weights every processed token is multiplied by, and the output head's, which only the
+    positions whose logits are computed use. The input embedding is a lookup, not a matmul: in neither."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # a head tied to the embedding is counted once
+    return total - embedding.numel() - (0 if head is embedding else head.numel()), head.numel()
+
+
+def step_flops(body: int, head: int, *, prompt_tokens: int, unique_prompt_tokens: int, completion_tokens: int,
+               reference: bool, iterations: int, full_finetune: bool) -> float:
+    """Model FLOPs of one step, matmuls only (attention scores left out): 2 per weight per token forward; backward
+    2 for the input gradients, and 2 more for the weight gradients of trained weights (not LoRA's frozen ones).
+    The rollout prefills each distinct prompt once and feeds every generated token back; the reference pass and
+    each update pass process prompts and completions, with logits at the completion positions only."""
+    forward = 2 * (body * (prompt_tokens + completion_tokens) + head * completion_tokens)
+    rollout = 2 * body * unique_prompt_tokens + 2 * (body + head) * completion_tokens
+    passes = int(reference) + iterations * (3 if full_finetune else 2)
+    return rollout + passes * forward
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, rows, args: Args, device) -> tuple[float, list[str]]:
     """Greedy accuracy (answer reward == 1) on held-out rows, and the first few completions to look at."""
@@ -1061,6 +1097,7 @@ def train(args: Args) -> dict:
                        wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main,
                        append=resume_path is not None)
     n_params = sum(p.numel() for p in model.parameters())
+    body_weights, head_weights = weight_counts(model)
     print0(f"model {args.model}: {n_params:,} parameters ({sum(p.numel() for p in trainable):,} trained), "
            f"{dtype}, {device}; {args.world_size} process(es), {args.prompts_per_step} prompts x "
            f"{args.group_size} completions per step", enabled=is_main)
@@ -1091,7 +1128,7 @@ def train(args: Args) -> dict:
 
     eval_accuracy_start = eval_accuracy = run_eval(start_step)
     timings = {"generation": 0.0, "reference": 0.0, "reward": 0.0, "update": 0.0}
-    step_times, memory_samples = [], []
+    step_times, step_model_flops, memory_samples = [], [], []
     generated_tokens = trained_tokens = 0
     run_start = time.perf_counter()
     interrupted = False
@@ -1240,6 +1277,10 @@ def train(args: Args) -> dict:
             step_time = t_updated - step_start
             step_times.append(step_time)
             n_generated = int(completion_mask.sum())
+            step_model_flops.append(step_flops(
+                body_weights, head_weights, prompt_tokens=int(prompt_mask.sum()), completion_tokens=n_generated,
+                unique_prompt_tokens=int(prompt_mask[::args.group_size].sum()), reference=args.kl_coef != 0.0,
+                iterations=args.num_iterations, full_finetune=args.lora_r == 0))
             generated_tokens += n_generated
             trained_tokens += int(loss_mask.sum()) * args.num_iterations
             # reduced over processes by summing: the token-weighted loss statistics and their token count; the loss
@@ -1328,13 +1369,18 @@ def train(args: Args) -> dict:
         "interrupted": interrupted,
         "parameters": n_params,
     }
+    # model FLOP/s of this process over the timed steps (see step_flops), against the device's peak on CUDA (MFU)
+    # or, on CPU, against the matmul throughput measured here (the FLOP-floor fraction)
+    timed_steps = slice(1, None) if len(step_times) > 1 else slice(None)
+    achieved = sum(step_model_flops[timed_steps]) / max(sum(step_times[timed_steps]), 1e-9)
+    summary["model_tflops_per_s"] = achieved / 1e12
     if device.type == "cuda":
         peak = args.peak_tflops or guess_peak_tflops(device)
-        # 2 FLOPs per parameter per token forward, 6 forward+backward: sampling, reference, update
-        flops = 2 * n_params * generated_tokens + 6 * n_params * trained_tokens
-        if args.kl_coef:
-            flops += 2 * n_params * trained_tokens / args.num_iterations
-        summary["mfu"] = flops / total_time / (peak * 1e12) if peak else float("nan")
+        summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
+    elif step_times:
+        measured = matmul_flops_per_s(device, dtype)
+        summary["matmul_tflops_measured"] = measured / 1e12
+        summary["flop_floor_fraction"] = achieved / measured
     logger.summary(summary, output_dir)
     logger.close()
     if distributed:

@@ -1026,6 +1026,29 @@ def guess_peak_tflops(device) -> float:
     return 0.0
 
 
+def matmul_flops_per_s(device, dtype: torch.dtype, seconds: float = 0.5, size: int = 1024) -> float:
+    """This machine's dense matmul throughput, measured on square matrices for about `seconds`: the reference of the
+    FLOP-floor fraction on CPU, where no peak figure is published."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn_like(a)
+    for _ in range(2):  # warm-up
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * size**3 * count / (time.perf_counter() - start)
+
+
+def step_flops(body_weights: int, tokens: int, full_finetune: bool) -> float:
+    """Model FLOPs of one training step, matmuls only (attention scores left out): 2 per weight per token forward;
+    backward 2 for the input gradients, and 2 more for the weight gradients of trained weights (not LoRA's frozen
+    ones). body_weights: the backbone's weights less its input embedding (a lookup); the head's are negligible."""
+    return (6 if full_finetune else 4) * body_weights * tokens
+
+
 def evaluate(scores: list[list[float]], labels: list[list[float]], threshold: float) -> dict:
     """Step accuracy at 0.5, step AUROC and first-error F1 at the given threshold, over held-out solutions."""
     flat_scores = [s for row in scores for s in row]
@@ -1440,12 +1463,20 @@ def train(args: Args) -> dict:
         "parameters": n_params,
         "trainable_parameters": n_trainable,
     }
+    # model FLOP/s per process over the timed steps (tokens of all processes, shared out), against the device's
+    # peak on CUDA (MFU) or, on CPU, against the matmul throughput measured here (the FLOP-floor fraction)
+    body_weights = (sum(p.numel() for p in prm.backbone.parameters())
+                    - prm.backbone.get_input_embeddings().weight.numel())
+    achieved = (step_flops(body_weights, sum(step_tokens[timed]), args.lora_r == 0) / args.world_size
+                / max(sum(step_times[timed]), 1e-9))
+    summary["model_tflops_per_s"] = achieved / 1e12
     if device.type == "cuda":
         peak = args.peak_tflops or guess_peak_tflops(device)
-        # 6 FLOPs per parameter per token for forward + backward (an upper bound with LoRA's frozen weights)
-        flops = 6 * n_params * sum(step_tokens)  # tokens of all processes: divided by the peak of all devices
-        summary["mfu"] = (flops / sum(step_times) / (peak * 1e12 * args.world_size) if peak and step_times
-                          else float("nan"))
+        summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
+    elif step_times:
+        measured = matmul_flops_per_s(device, dtype)
+        summary["matmul_tflops_measured"] = measured / 1e12
+        summary["flop_floor_fraction"] = achieved / measured
     logger.summary(summary, output_dir)
     logger.close()
     if distributed:

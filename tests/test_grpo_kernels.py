@@ -29,7 +29,9 @@ from grpo import (  # noqa: E402
     grpo_loss,
     kl_penalty,
     left_pad,
+    step_flops,
     token_logprobs,
+    weight_counts,
 )
 
 LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
@@ -1005,3 +1007,26 @@ def test_shared_prompt_prefill_gives_the_same_rollouts(tiny):
     (tokens, mask_a, logp_a), (shared, mask_b, logp_b) = runs
     assert torch.equal(tokens, shared) and torch.equal(mask_a, mask_b)
     torch.testing.assert_close(logp_a, logp_b, atol=1e-5, rtol=0)
+
+
+def test_weight_counts_of_tied_and_untied_models():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    tied = build_tiny_model(tokenizer)  # vocab 23, hidden 128, tied embeddings
+    vocab, hidden = tied.config.vocab_size, tied.config.hidden_size
+    total = sum(p.numel() for p in tied.parameters())
+    assert weight_counts(tied) == (total - vocab * hidden, vocab * hidden)
+    untied = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
+                                          num_attention_heads=4, intermediate_size=64, tie_word_embeddings=False))
+    total = sum(p.numel() for p in untied.parameters())
+    assert weight_counts(untied) == (total - 2 * vocab * hidden, vocab * hidden)
+
+
+def test_step_flops_by_hand():
+    # body 10 weights, head 3; 4 prompt tokens over the batch (2 distinct), 5 completion tokens.
+    # forward pass: 2 * (10 * (4 + 5) + 3 * 5) = 210; rollout: 2 * 10 * 2 + 2 * 13 * 5 = 170
+    common = dict(prompt_tokens=4, unique_prompt_tokens=2, completion_tokens=5)
+    assert step_flops(10, 3, **common, reference=False, iterations=1, full_finetune=True) == 170 + 3 * 210
+    assert step_flops(10, 3, **common, reference=True, iterations=1, full_finetune=True) == 170 + 4 * 210
+    assert step_flops(10, 3, **common, reference=True, iterations=2, full_finetune=False) == 170 + 5 * 210

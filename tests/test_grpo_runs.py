@@ -61,6 +61,10 @@ def test_default_task_few_steps(tmp_path):
     summary = read_summary(out)
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["steps"] == 3 and summary["peak_memory_mb"] > 0 and summary["generated_tokens_per_s"] > 0
+    # on CPU: model FLOP/s against the matmul throughput measured in the same run
+    assert summary["matmul_tflops_measured"] > 0 and 0 < summary["flop_floor_fraction"] < 1.5
+    assert summary["flop_floor_fraction"] == pytest.approx(
+        summary["model_tflops_per_s"] / summary["matmul_tflops_measured"])
     metrics = read_metrics(out)
     assert [row["step"] for row in metrics] == [1, 2, 3]
     for key in ("reward", "accuracy", "kl_mean", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy",

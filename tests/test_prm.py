@@ -424,6 +424,7 @@ def test_default_run_few_steps(tmp_path):
     summary = read_summary(out)
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["steps"] == 3 and summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
+    assert summary["matmul_tflops_measured"] > 0 and 0 < summary["flop_floor_fraction"] < 1.5  # CPU: vs measured
     assert summary["dropped_steps"] == 0 and summary["dropped_rows"] == 0 and summary["eval_rows"] == 40
     assert 0.0 <= summary["eval_auroc_end"] <= 1.0 and 0.0 <= summary["baseline_position_auroc"] <= 1.0
     metrics = read_metrics(out)
@@ -563,3 +564,10 @@ def test_default_run_learns_to_check_steps(tmp_path):
     assert summary["eval_auroc_end"] >= 0.95 and summary["eval_first_error_f1_end"] >= 0.8
     # a scorer blind to step content does clearly worse
     assert summary["baseline_position_auroc"] < 0.85 and summary["baseline_position_first_error_f1"] < 0.5
+
+
+def test_step_flops_by_hand():
+    # 10 weights, 7 tokens: forward 2 * 10 * 7 = 140; full fine-tuning adds 280 for input and weight gradients,
+    # LoRA (frozen weights) only the 140 of the input gradients
+    assert prm.step_flops(10, 7, full_finetune=True) == 420
+    assert prm.step_flops(10, 7, full_finetune=False) == 280
