@@ -43,7 +43,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
 from typing import Callable, Literal, Optional
 
@@ -638,7 +638,8 @@ def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None
     (the model's `_no_split_modules`) is one unit whose weights are all-gathered just before its forward and
     freed after, the embeddings and head form the root unit. Weights, gradients and optimiser state stay sharded
     in fp32; forward and backward run in compute_dtype, gradients are reduced in fp32. Gradients are summed, not
-    averaged, over processes: each process's loss is already divided by the global counts."""
+    averaged, over processes: each process's loss is already divided by the global counts. They are reduce-scattered
+    after every micro-batch and accumulate sharded: deferring that would hold whole fp32 gradients on every GPU."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -907,8 +908,9 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
         saved = json.load(f)
     if saved.get("script") != "grpo.py":
         raise UserError(f"--resume-from {path}: this checkpoint was written by {saved.get('script')}, not grpo.py")
-    different = [f"--{key.replace('_', '-')} {saved.get(key)!r} there, {getattr(args, key)!r} here"
-                 for key in RESUME_MUST_MATCH if saved.get(key) != getattr(args, key)]
+    defaults = {field.name: field.default for field in fields(Args)}  # for a flag newer than the checkpoint
+    different = [f"--{key.replace('_', '-')} {saved.get(key, defaults[key])!r} there, {getattr(args, key)!r} here"
+                 for key in RESUME_MUST_MATCH if saved.get(key, defaults[key]) != getattr(args, key)]
     if different:
         raise UserError(f"--resume-from {path}: the checkpoint's run differs from this one ({'; '.join(different)}); "
                         "resume with the same settings")
@@ -1218,8 +1220,6 @@ def train(args: Args) -> dict:
             for iteration in range(args.num_iterations):
                 loss_sum = torch.zeros((), device=device)
                 for mb in micro_batches:
-                    if args.fsdp:  # reduce-scatter the gradients once, after the last micro-batch
-                        model.set_requires_gradient_sync(mb == micro_batches[-1])
                     logp, entropy = completion_logprobs(model, prompt_ids[mb], prompt_mask[mb], completion_ids[mb],
                                                         completion_mask[mb], args.temperature, with_entropy=True)
                     if iteration == 0:
@@ -1283,41 +1283,46 @@ def train(args: Args) -> dict:
                 iterations=args.num_iterations, full_finetune=args.lora_r == 0))
             generated_tokens += n_generated
             trained_tokens += int(loss_mask.sum()) * args.num_iterations
-            # reduced over processes by summing: the token-weighted loss statistics and their token count; the loss
-            # (each process's is its share of the batch loss); reward errors; the count, sum and sum of squares of
-            # the rewards, for their std over the whole batch
-            scored = rewards[~failed]
-            token_sums = {key: value.item() for key, value in stat_sums.items()}
-            totals = {"loss": loss_value, "reward_errors": float(failed.sum()), "reward_count": float(scored.numel()),
-                      "reward_sum": scored.sum().item(), "reward_squares": (scored.double() ** 2).sum().item()}
-            means = {  # over the same number of completions on every process: averaged
-                "reward": rewards.nanmean().item(),
-                **{f"reward_{name}": values.nanmean().item() for name, values in rewards_per_fn.items()},
-                "accuracy": rewards_per_fn["answer"].nanmean().item() if "answer" in rewards_per_fn else float("nan"),
-                "grad_norm": grad_norm.item(),
-                "frac_zero_std_groups": zero_std_groups,
-                "completion_length": completion_mask.sum(1).float().mean().item(),
-                "truncated_frac": truncated.float().mean().item(),
-                # training and sampler log-probs of the same tokens, same weights: any gap is numerical mismatch
-                "logp_gap_mean": ((old_logp - sampler_logp).abs() * completion_mask).sum().item()
-                / max(n_generated, 1),
-            }
-            gap_max = ((old_logp - sampler_logp).abs() * completion_mask).max().reshape(1)
+            # every figure is a sum over the batch, so that summing over processes gives the whole batch's: token-
+            # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
+            # completions, and the sum of squares for the std; the loss (each process's is its share); log-prob gaps
+            gap = (old_logp - sampler_logp).abs() * completion_mask  # [B, T]
+            per_completion = {"reward": rewards, **{f"reward_{name}": v for name, v in rewards_per_fn.items()},
+                              "accuracy": rewards_per_fn.get("answer", torch.full_like(rewards, float("nan")))}
+            sums = {key: value.item() for key, value in stat_sums.items()}
+            for name, values in per_completion.items():
+                sums[f"{name}/sum"], sums[f"{name}/count"] = values.nansum().item(), float((~values.isnan()).sum())
+            sums.update({"reward/squares": rewards.double().pow(2).nansum().item(), "loss": loss_value,
+                         "reward_errors": float(failed.sum()), "logp_gap/sum": gap.sum().item(),
+                         "logp_gap/count": float(n_generated), "completion_length/sum": float(n_generated),
+                         "truncated/sum": float(truncated.sum()), "zero_std_groups/sum": zero_std_groups * len(rows),
+                         "completions": float(local_batch), "groups": float(len(rows))})
+            gap_max = gap.max().reshape(1)
             if distributed:
-                merged = {**means, **token_sums, **totals}
-                keys = sorted(merged)
-                values = torch.tensor([merged[k] for k in keys], dtype=torch.float64, device=device)
+                keys = sorted(sums)
+                values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
                 dist.all_reduce(values)
                 dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
-                reduced = dict(zip(keys, values.tolist()))
-                means = {k: reduced[k] / args.world_size for k in means}
-                token_sums, totals = {k: reduced[k] for k in token_sums}, {k: reduced[k] for k in totals}
-            tokens = max(token_sums.pop("tokens", 0.0), 1.0)
-            count, total, squares = totals["reward_count"], totals["reward_sum"], totals["reward_squares"]
-            local = {**means, **{key: value / tokens for key, value in token_sums.items()}, "loss": totals["loss"],
-                     "reward_errors": totals["reward_errors"], "logp_gap_max": gap_max.item(),
-                     "reward_std": math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) if count > 1
-                     else 0.0}
+                sums = dict(zip(keys, values.tolist()))
+
+            def ratio(numerator: str, denominator: str) -> float:
+                return sums[numerator] / sums[denominator] if sums[denominator] else float("nan")
+
+            count, total, squares = sums["reward/count"], sums["reward/sum"], sums["reward/squares"]
+            local = {
+                **{name: ratio(f"{name}/sum", f"{name}/count") for name in per_completion},
+                "reward_std": math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) if count > 1 else 0.0,
+                "loss": sums["loss"],
+                **{key: sums[key] / max(sums["tokens"], 1.0) for key in stat_sums if key != "tokens"},
+                "grad_norm": grad_norm.item(),
+                "frac_zero_std_groups": ratio("zero_std_groups/sum", "groups"),
+                "completion_length": ratio("completion_length/sum", "completions"),
+                "truncated_frac": ratio("truncated/sum", "completions"),
+                "reward_errors": sums["reward_errors"],
+                # training and sampler log-probs of the same tokens, same weights: any gap is numerical mismatch
+                "logp_gap_max": gap_max.item(),
+                "logp_gap_mean": ratio("logp_gap/sum", "logp_gap/count"),
+            }
             memory_samples.append(memory_mb(device))
             metrics = {**local, "learning_rate": scheduler.get_last_lr()[0], "step_time_s": step_time,
                        "generation_time_s": t_generated - step_start, "reward_time_s": t_rewarded - t_generated,
@@ -1374,7 +1379,7 @@ def train(args: Args) -> dict:
     timed_steps = slice(1, None) if len(step_times) > 1 else slice(None)
     achieved = sum(step_model_flops[timed_steps]) / max(sum(step_times[timed_steps]), 1e-9)
     summary["model_tflops_per_s"] = achieved / 1e12
-    if device.type == "cuda":
+    if device.type == "cuda" and step_times:
         peak = args.peak_tflops or guess_peak_tflops(device)
         summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
     elif step_times:

@@ -52,7 +52,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
 
 import numpy as np
@@ -450,20 +450,21 @@ def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: in
 
 
 def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Example indices grouped into rows of at most `capacity` tokens: as few rows as the total length allows,
-    filled longest example first into the emptiest row (a new row when none has room), so that rows come out
-    nearly equal and a packed batch pads only their short tails."""
-    bins: list[list[int]] = [[] for _ in range(max(1, math.ceil(sum(lengths) / capacity)))]
-    fill = [0] * len(bins)
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        emptiest = min(range(len(bins)), key=fill.__getitem__)
-        if fill[emptiest] + lengths[i] > capacity:
-            bins.append([])
-            fill.append(0)
-            emptiest = len(bins) - 1
-        bins[emptiest].append(i)
-        fill[emptiest] += lengths[i]
-    return bins
+    """Example indices grouped into rows of at most `capacity` tokens (capacity >= every length): the fewest rows
+    that the total length allows and the filling manages, longest example first into the emptiest row, so that
+    rows come out nearly equal and a packed batch pads only their short tails."""
+    for count in range(max(1, math.ceil(sum(lengths) / capacity)), len(lengths) + 1):
+        bins: list[list[int]] = [[] for _ in range(count)]
+        fill = [0] * count
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            emptiest = min(range(count), key=fill.__getitem__)
+            if fill[emptiest] + lengths[i] > capacity:
+                break  # no room left: one row more
+            bins[emptiest].append(i)
+            fill[emptiest] += lengths[i]
+        else:
+            return bins
+    raise ValueError(f"an example is longer than the capacity {capacity}")
 
 
 def collate(examples: list[dict], pad_id: int, device, pack: bool = False) -> dict:
@@ -498,7 +499,7 @@ def collate(examples: list[dict], pad_id: int, device, pack: bool = False) -> di
             if e["labels"] is not None:
                 labels[i, :len(e["labels"])] = torch.tensor(e["labels"])
             start = end
-        position_ids[row, start:] = torch.arange(width - start)  # the padded tail: a sequence of its own
+        position_ids[row, start:] = 0  # the padded tail: one-token sequences of their own, at position 0
     batch = {"input_ids": input_ids, "attention_mask": None if pack else attention_mask,
              "position_ids": position_ids if pack else None, "positions": positions, "labels": labels,
              "mask": mask, "tokens": sum(lengths)}
@@ -610,13 +611,17 @@ def use_packing(prm: ProcessRewardModel) -> bool:
     prm.eval()  # no dropout in the comparison
     device, vocab = prm.head.weight.device, prm.backbone.config.vocab_size
     first, second = [i % vocab for i in range(3, 8)], [i % vocab for i in range(8, 12)]
-    # through the whole PRM (under FSDP only its forward gathers the weights), scored at every token of `second`
-    alone = prm(torch.tensor([second], device=device), None, None, torch.arange(4, device=device)[None])
-    packed = prm(torch.tensor([first + second], device=device), None,
-                 torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]], device=device), torch.arange(5, 9, device=device)[None])
+    # through the whole PRM (under FSDP only its forward gathers the weights), scored at every token; two packed
+    # rows, since some attention kernels (flash-attention's) recognise packing only in a batch of one
+    alone = [prm(torch.tensor([ids], device=device), None, None, torch.arange(len(ids), device=device)[None])
+             for ids in (first, second)]
+    restart = [list(range(len(first))) + list(range(len(second))), list(range(len(second))) + list(range(len(first)))]
+    packed = prm(torch.tensor([first + second, second + first], device=device), None,
+                 torch.tensor(restart, device=device), torch.tensor([[5, 6, 7, 8], [14, 15, 16, 17]], device=device))
     prm.train(was_training)
     # 1% of the scale: bf16 rounding stays well below it, a leak moves scores by about their own size
-    apart = bool((packed - alone).abs().max() <= 1e-2 * alone.abs().max() + 1e-6)
+    expected = torch.cat([alone[1], alone[0][:, 1:]])  # [2, 4]: second, then first's last four tokens
+    apart = bool((packed - expected).abs().max() <= 1e-2 * expected.abs().max() + 1e-6)
     prm.pack_rows = apart
     return apart
 
@@ -641,7 +646,9 @@ def shard_prm(prm: ProcessRewardModel, device: torch.device, compute_dtype: torc
     of the backbone (its `_no_split_modules`) is one unit whose weights are all-gathered just before its forward
     and freed after; the head is a unit of its own that computes in fp32; the embeddings form the root unit.
     Weights, gradients and optimiser state stay sharded in fp32; gradients are reduced in fp32 and summed, not
-    averaged, over processes: each process's loss is already divided by the global count of labelled steps."""
+    averaged, over processes: each process's loss is already divided by the global count of labelled steps. They
+    are reduce-scattered after every micro-batch and accumulate sharded (deferring that would hold whole fp32
+    gradients on every GPU)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -898,8 +905,9 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
         script = saved.get("script") if isinstance(saved, dict) else None
         raise UserError(f"--resume-from {path}: this checkpoint was written by {script or 'another program'}, "
                         "not prm.py")
-    different = [f"--{key.replace('_', '-')} {saved.get(key)!r} there, {getattr(args, key)!r} here"
-                 for key in RESUME_MUST_MATCH if saved.get(key) != getattr(args, key)]
+    defaults = {field.name: field.default for field in fields(Args)}  # for a flag newer than the checkpoint
+    different = [f"--{key.replace('_', '-')} {saved.get(key, defaults[key])!r} there, {getattr(args, key)!r} here"
+                 for key in RESUME_MUST_MATCH if saved.get(key, defaults[key]) != getattr(args, key)]
     if different:
         raise UserError(f"--resume-from {path}: the checkpoint's run differs from this one ({'; '.join(different)}); "
                         "resume with the same settings")
@@ -1337,8 +1345,6 @@ def train(args: Args) -> dict:
             # 2. forward and backward over micro-batches, gradients accumulating
             loss_sum, tokens, stat_sums = 0.0, 0, {"accuracy": 0.0, "score_mean": 0.0, "steps": 0.0}
             for start in range(0, len(batch), micro_batch):
-                if args.fsdp:  # reduce-scatter the gradients once, after the last micro-batch
-                    prm.set_requires_gradient_sync(start + micro_batch >= len(batch))
                 inputs = collate(batch[start:start + micro_batch], pad_id, device, prm.pack_rows)
                 step_logits = prm(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
                                   inputs["positions"])  # [b, S]
@@ -1470,7 +1476,7 @@ def train(args: Args) -> dict:
     achieved = (step_flops(body_weights, sum(step_tokens[timed]), args.lora_r == 0) / args.world_size
                 / max(sum(step_times[timed]), 1e-9))
     summary["model_tflops_per_s"] = achieved / 1e12
-    if device.type == "cuda":
+    if device.type == "cuda" and step_times:
         peak = args.peak_tflops or guess_peak_tflops(device)
         summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
     elif step_times:

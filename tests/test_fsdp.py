@@ -115,3 +115,21 @@ def test_fsdp_is_refused_on_cpu_and_in_one_process(module, script, tmp_path, cap
     assert code == 2 and "launch with torchrun" in err and err.count("\n") == 1
     assert not out.exists()
     assert torch.distributed.is_initialized() is False
+
+
+def test_a_checkpoint_from_before_the_fsdp_flag_resumes(tmp_path, capsys):
+    """Checkpoints written before --fsdp existed have no such key in args.json: it counts as the default (off)."""
+    from test_grpo_runs import QUICK
+
+    out = tmp_path / "run"
+    flags = ["--output-dir", str(out), *QUICK, "--total-steps", "2", "--save-every", "1"]
+    assert run_script_main(grpo.main, "grpo.py", flags, capsys)[0] == 0
+    args_file = out / "checkpoint-1" / "args.json"
+    saved = json.loads(args_file.read_text())
+    del saved["fsdp"]
+    args_file.write_text(json.dumps(saved))
+    code, err = run_script_main(grpo.main, "grpo.py", [*flags, "--resume-from", str(out / "checkpoint-1")], capsys)
+    assert code == 0, err
+    code, err = run_script_main(grpo.main, "grpo.py", [*flags, "--resume-from", str(out / "checkpoint-1"),
+                                                       "--kl-coef", "0.5"], capsys)
+    assert code == 2 and "--kl-coef" in err  # the other settings are still compared

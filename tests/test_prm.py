@@ -350,15 +350,18 @@ def test_scores_do_not_depend_on_batching():
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("lengths, capacity", [([5], 10), ([3, 3, 3, 3], 6), ([9, 1, 8, 2, 7, 3], 10),
-                                                ([10, 10, 10], 10), ([4, 7, 2, 9, 9, 1, 5, 6], 18)])
-def test_pack_bins_places_every_example_once_within_capacity_in_few_nearly_equal_rows(lengths, capacity):
+@pytest.mark.parametrize("lengths, capacity, rows", [
+    ([5], 10, 1), ([3, 3, 3, 3], 6, 2), ([9, 1, 8, 2, 7, 3], 10, 3), ([10, 10, 10], 10, 3),
+    ([4, 7, 2, 9, 9, 1, 5, 6], 18, 3),
+    ([11, 11, 12, 3, 11], 24, 3),  # 48 tokens would fit 2 rows of 24 (12+11+..), but not filled longest first
+])
+def test_pack_bins_places_every_example_once_within_capacity_in_few_nearly_equal_rows(lengths, capacity, rows):
     bins = prm.pack_bins(lengths, capacity)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     fills = [sum(lengths[i] for i in b) for b in bins]
     assert all(0 < fill <= capacity for fill in fills)
-    assert len(bins) == math.ceil(sum(lengths) / capacity)  # these cases fit the fewest rows possible
-    assert max(fills) - min(fills) <= max(lengths)
+    assert len(bins) == rows >= math.ceil(sum(lengths) / capacity)
+    assert max(fills) - min(fills) <= max(lengths)  # no nearly empty last row
 
 
 def test_packed_batches_give_the_same_logits_and_gradients_as_padded_ones():
@@ -381,6 +384,7 @@ def test_packed_batches_give_the_same_logits_and_gradients_as_padded_ones():
     assert packed["tokens"] == padded["tokens"] == sum(lengths)
     assert packed["input_ids"].numel() < padded["input_ids"].numel()  # fewer rows, only their tails padded
     assert packed["input_ids"].shape[1] <= 2 * max(lengths)
+    assert packed["position_ids"].max() < max(lengths)  # padded tails sit at position 0, not past every example
     assert torch.equal(packed["labels"], padded["labels"]) and torch.equal(packed["mask"], padded["mask"])
     mask = padded["mask"]
     torch.testing.assert_close(packed_logits[mask], padded_logits[mask], atol=1e-5, rtol=1e-5)
