@@ -575,7 +575,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
     next_position = position_ids[:, -1:] + 1  # [B, 1]
     finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens, logps = [], []
-    for _ in range(max_new_tokens):
+    for position in range(max_new_tokens):
         scaled = logits.float() / (1.0 if greedy else temperature)  # [B, V]
         if greedy:
             token = scaled.argmax(-1)
@@ -593,7 +593,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
         if stop_together:
             all_finished = all_finished.float()
             dist.all_reduce(all_finished, op=dist.ReduceOp.MIN)
-        if all_finished:
+        if all_finished or position == max_new_tokens - 1:  # the last token is never fed back
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
         logits = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,
@@ -617,15 +617,17 @@ def decode_completions(tokenizer, completion_ids, completion_mask) -> list[str]:
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                         with_entropy=False):
-    """Log-probs of the completion tokens under the model: one forward pass, with logits kept only at the T
-    positions that predict completion tokens (never [B, P+T, V]). Returns logp [B, T] and the entropy or None."""
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    """Log-probs of the completion tokens under the model: one forward pass over the prompt and every completion
+    token but the last (only ever a target: feeding it would cost a position of every layer), with logits kept
+    only at the T positions that predict completion tokens (never [B, P+T, V]). Returns logp [B, T] and the
+    entropy or None."""
     num_completion = completion_ids.shape[1]
-    # logits_to_keep=T+1 returns positions P-1 .. P+T-1; the last one predicts past the end and is dropped
+    input_ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)  # [B, P+T-1]
+    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    # the last T positions, P-1 .. P+T-2, predict completion tokens 0 .. T-1
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=num_completion + 1, use_cache=False).logits[:, :-1]  # [B, T, V]
+                   logits_to_keep=num_completion, use_cache=False).logits  # [B, T, V]
     return token_logprobs(logits, completion_ids, temperature, with_entropy)
 
 
@@ -1064,12 +1066,12 @@ def train(args: Args) -> dict:
     bad_steps_in_a_row = skipped_updates = 0
     if resume_path:
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), weights_only=True)
-        if args.fsdp:  # saved whole (keyed by parameter name): each process keeps its shard of it
+        if args.fsdp and state["optimizer"] is not None:  # saved whole (keyed by name): each process keeps its shard
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(model, optimizer, state["optimizer"],
                                      options=StateDictOptions(full_state_dict=True))
-        else:
+        elif not args.fsdp:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         for p, m in zip(trainable, master):
@@ -1108,7 +1110,9 @@ def train(args: Args) -> dict:
         """checkpoint-STEP on rank 0, keeping the newest --keep-checkpoints (under FSDP every rank calls it: the
         shards are gathered)."""
         path = os.path.join(output_dir, f"checkpoint-{step}")
-        weights, optimizer_state = full_state_dicts(model, optimizer) if args.fsdp else (None, optimizer.state_dict())
+        # (under FSDP, gathering the state of an optimiser that has not stepped yet would make it take a step)
+        weights, optimizer_state = (full_state_dicts(model, optimizer if optimizer.state else None) if args.fsdp
+                                    else (None, optimizer.state_dict()))
         if is_main:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,

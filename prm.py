@@ -1231,12 +1231,12 @@ def train(args: Args) -> dict:
             raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's (same "
                             "--data-path and --num-val-rows, but the file changed?); resume on the same data")
         try:
-            if args.fsdp:  # saved whole (keyed by parameter name): each process keeps its shard of it
+            if args.fsdp and state["optimizer"] is not None:  # saved whole (keyed by name): each keeps its shard
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
                 set_optimizer_state_dict(prm, optimizer, state["optimizer"],
                                          options=StateDictOptions(full_state_dict=True))
-            else:
+            elif not args.fsdp:
                 optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             separate = [m for p, m in zip(trainable, master) if m is not p]
@@ -1312,7 +1312,9 @@ def train(args: Args) -> dict:
         are gathered)."""
         path = os.path.join(output_dir, f"checkpoint-{step}")
         rng_states = gather_rng_states(distributed, args.world_size)
-        weights, optimizer_state = full_state_dicts(prm, optimizer) if args.fsdp else (None, optimizer.state_dict())
+        # (under FSDP, gathering the state of an optimiser that has not stepped yet would make it take a step)
+        weights, optimizer_state = (full_state_dicts(prm, optimizer if optimizer.state else None) if args.fsdp
+                                    else (None, optimizer.state_dict()))
         if is_main:
             save_checkpoint(path, prm, base_copy, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,

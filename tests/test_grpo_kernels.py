@@ -1030,3 +1030,15 @@ def test_step_flops_by_hand():
     assert step_flops(10, 3, **common, reference=False, iterations=1, full_finetune=True) == 170 + 3 * 210
     assert step_flops(10, 3, **common, reference=True, iterations=1, full_finetune=True) == 170 + 4 * 210
     assert step_flops(10, 3, **common, reference=True, iterations=2, full_finetune=False) == 170 + 5 * 210
+
+
+def test_generate_never_feeds_back_the_last_token():
+    """T new tokens need the prefill and T - 1 decoding passes: the last sampled token is never fed back."""
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer).eval()
+    calls = []
+    model.register_forward_hook(lambda module, args, output: calls.append(1))
+    ids, mask = left_pad([[1, 5, 6], [1, 7]], tokenizer.pad_token_id, "cpu")
+    completion_ids, _, _ = generate(model, ids, mask, max_new_tokens=4, eos_id=-1, pad_id=tokenizer.pad_token_id)
+    assert completion_ids.shape == (2, 4) and len(calls) == 1 + 3
