@@ -1344,8 +1344,11 @@ def train(args: Args) -> dict:
                 dist.all_reduce(count)
             total_labelled = count.item()
 
-            # 2. forward and backward over micro-batches, gradients accumulating
-            loss_sum, tokens, stat_sums = 0.0, 0, {"accuracy": 0.0, "score_mean": 0.0, "steps": 0.0}
+            # 2. forward and backward over micro-batches, gradients accumulating; the loss and the statistics are
+            # summed on the device (no host sync per micro-batch): [loss, accuracy, score mean (both weighted by
+            # labelled steps), labelled steps]
+            sums = torch.zeros(4, dtype=torch.float64, device=device)
+            tokens = 0
             for start in range(0, len(batch), micro_batch):
                 inputs = collate(batch[start:start + micro_batch], pad_id, device, prm.pack_rows)
                 step_logits = prm(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
@@ -1353,16 +1356,12 @@ def train(args: Args) -> dict:
                 loss, stats = prm_loss(step_logits, inputs["labels"], inputs["mask"], args.loss_kind,
                                        total_steps=total_labelled)
                 loss.backward()
-                loss_sum += loss.item()
                 tokens += inputs["tokens"]
-                steps_here = stats.pop("steps").item()
-                for key, value in stats.items():  # weighted by steps, to average over the whole batch
-                    stat_sums[key] += value.item() * steps_here
-                stat_sums["steps"] += steps_here
+                sums += torch.stack([loss.detach(), stats["accuracy"] * stats["steps"],
+                                     stats["score_mean"] * stats["steps"], stats["steps"]]).double()
             # sums over processes: each loss is already its share of the batch mean, so the sum is the batch loss;
             # the finiteness test below then reads the same global numbers on every rank
-            sums = torch.tensor([loss_sum, stat_sums["accuracy"], stat_sums["score_mean"], stat_sums["steps"],
-                                 float(tokens)], dtype=torch.float64, device=device)
+            sums = torch.cat([sums, torch.tensor([float(tokens)], dtype=torch.float64, device=device)])
             if distributed:
                 dist.all_reduce(sums)
             loss_sum, accuracy_sum, score_sum, steps_seen, global_tokens = sums.tolist()
