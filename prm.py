@@ -476,9 +476,15 @@ def collate(examples: list[dict], pad_id: int, device, pack: bool = False) -> di
     from which transformers builds a block-diagonal causal mask: no example sees another, only the rows' tails
     are padding, and attention (quadratic in the row length) costs at most twice as much per token. On the
     benchmark's batches of 8 rows of 28-68 tokens: 22% fewer tokens, steps 20% faster on the small model.
+    Packing is used only where it saves at least 10% of the tokens: rows of equal length gain nothing from it, and
+    masked attention over longer rows would cost more (and rules out the fastest attention kernels on GPUs).
     Either way positions holds each label token's index among all R * T tokens of the batch, flattened."""
     lengths = [len(e["input_ids"]) for e in examples]
-    bins = pack_bins(lengths, 2 * max(lengths)) if pack else [[i] for i in range(len(examples))]
+    bins = [[i] for i in range(len(examples))]
+    if pack:
+        packed = pack_bins(lengths, 2 * max(lengths))
+        pack = len(packed) * max(sum(lengths[i] for i in b) for b in packed) <= 0.9 * len(examples) * max(lengths)
+        bins = packed if pack else bins
     width = max(sum(lengths[i] for i in b) for b in bins)
     most_steps = max(len(e["positions"]) for e in examples)
     input_ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
