@@ -27,6 +27,7 @@ Run it:
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl --lora-r 16 --kl-coef 0.05 \\
         --max-new-tokens 256 --learning-rate 1e-5 --output-dir runs/qwen-gsm8k
     torchrun --standalone --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl
+    torchrun --standalone --nproc_per_node 8 grpo.py --fsdp --model Qwen/Qwen2.5-7B-Instruct ...   # sharded
 """
 
 import contextlib

@@ -33,6 +33,7 @@ Run it:
         --lora-r 16 --learning-rate 1e-4 --step-separator $'\\n\\n' --output-dir runs/qwen-prm
     python prm.py --prm-path runs/qwen-prm/final --score-data-path rows.jsonl --scores-output scores.jsonl
     torchrun --standalone --nproc_per_node 8 prm.py --model Qwen/Qwen2.5-0.5B --data-path steps.jsonl
+    torchrun --standalone --nproc_per_node 8 prm.py --fsdp --model Qwen/Qwen2.5-7B --data-path steps.jsonl
     python prm.py --output-dir runs/r --save-every 50 ...; python prm.py --output-dir runs/r ... --resume-from latest
 From Python: `prm = load_prm("runs/qwen-prm/final"); score_steps(prm, prompts, steps)`.
 """
