@@ -799,8 +799,6 @@ def matmul_flops_per_s(device, dtype: torch.dtype, seconds: float = 0.5, size: i
     while time.perf_counter() - start < seconds:
         a @ b
         count += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     return 2 * size**3 * count / (time.perf_counter() - start)
 
 
@@ -1362,12 +1360,12 @@ def train(args: Args) -> dict:
         if is_main:
             save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None, weights)
     steps_done = len(step_times)
-    timed = step_times[1:] or step_times  # the first step pays for warm-up (allocations, kernel selection)
+    timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     update_time = max(timings["update"], 1e-9)
     summary = {
         "steps": start_step + steps_done,
         "total_time_s": total_time,
-        "step_time_s_mean": float(np.mean(timed)) if timed else float("nan"),
+        "step_time_s_mean": float(np.mean(step_times[timed])) if step_times else float("nan"),
         "generation_time_s": timings["generation"],
         "reference_time_s": timings["reference"],
         "reward_time_s": timings["reward"],
@@ -1384,8 +1382,7 @@ def train(args: Args) -> dict:
     }
     # model FLOP/s of this process over the timed steps (see step_flops), against the device's peak on CUDA (MFU)
     # or, on CPU, against the matmul throughput measured here (the FLOP-floor fraction)
-    timed_steps = slice(1, None) if len(step_times) > 1 else slice(None)
-    achieved = sum(step_model_flops[timed_steps]) / max(sum(step_times[timed_steps]), 1e-9)
+    achieved = sum(step_model_flops[timed]) / max(sum(step_times[timed]), 1e-9)
     summary["model_tflops_per_s"] = achieved / 1e12
     if device.type == "cuda" and step_times:
         peak = args.peak_tflops or guess_peak_tflops(device)

@@ -704,32 +704,34 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
     return ProcessRewardModel(backbone, hidden_size, tokenizer, config), base_copy
 
 
-def write_prm(directory: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None) -> None:
-    """The saved-PRM files, written into `directory` (see save_prm); checkpoints hold the same files.
-    weights: the gathered state dict of a sharded PRM (FSDP), which its modules cannot read themselves."""
+def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None,
+             args: Optional[Args] = None, trainer_state: Optional[dict] = None) -> None:
+    """final/: the backbone (full fine-tuning) or the LoRA adapter, reward_head.safetensors, the tokenizer and
+    prm_config.json. A base that cannot be reloaded by name (the random-init tiny model) is saved under base/.
+    A checkpoint-STEP/ holds the same files (so it also loads with load_prm) plus args.json and trainer_state.pt.
+    weights: the gathered state dict of a sharded PRM (FSDP), which its modules cannot read themselves.
+    Written to a temporary directory, then renamed: a crash mid-write leaves any previous version intact, and
+    checkpoint_steps never counts a half-written checkpoint."""
     from safetensors.torch import save_file
 
+    temporary = path.rstrip("/") + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
     weights = weights if weights is not None else prm.state_dict()
     backbone = {name.removeprefix("backbone."): w for name, w in weights.items() if name.startswith("backbone.")}
     head = {name.removeprefix("head."): w for name, w in weights.items() if name.startswith("head.")}
     # one weights file, so that resuming reads it back whole; the backbone alone is what AutoModel reloads
-    prm.backbone.save_pretrained(directory, max_shard_size="1000GB", state_dict=backbone)
+    prm.backbone.save_pretrained(temporary, max_shard_size="1000GB", state_dict=backbone)
     if base_backbone is not None:
-        base_backbone.save_pretrained(os.path.join(directory, "base"), max_shard_size="1000GB")
-    prm.tokenizer.save_pretrained(directory)
+        base_backbone.save_pretrained(os.path.join(temporary, "base"), max_shard_size="1000GB")
+    prm.tokenizer.save_pretrained(temporary)
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in head.items()},
-              os.path.join(directory, "reward_head.safetensors"))
-    with open(os.path.join(directory, "prm_config.json"), "w") as f:
+              os.path.join(temporary, "reward_head.safetensors"))
+    with open(os.path.join(temporary, "prm_config.json"), "w") as f:
         json.dump(prm.config, f, indent=2)
-
-
-def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None) -> None:
-    """final/: the backbone (full fine-tuning) or the LoRA adapter, reward_head.safetensors, the tokenizer and
-    prm_config.json. A base that cannot be reloaded by name (the random-init tiny model) is saved under base/.
-    Written to a temporary directory, then renamed: a crash mid-write leaves any previous version intact."""
-    temporary = path.rstrip("/") + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
-    write_prm(temporary, prm, base_backbone, weights)
+    if trainer_state is not None:
+        with open(os.path.join(temporary, "args.json"), "w") as f:
+            json.dump({"script": "prm.py", **asdict(args)}, f, indent=2)
+        torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(temporary, path)
@@ -837,22 +839,6 @@ def gather_rng_states(distributed: bool, world_size: int) -> list[dict]:
     gathered = [None] * world_size
     dist.all_gather_object(gathered, buffer.getvalue())
     return [torch.load(io.BytesIO(data), weights_only=True) for data in gathered]
-
-
-def save_checkpoint(path: str, prm: ProcessRewardModel, base_backbone, args: Args, trainer_state: dict,
-                    weights: Optional[dict] = None) -> None:
-    """checkpoint-STEP/: the saved-PRM files (so a checkpoint also loads with load_prm), args.json and
-    trainer_state.pt. Written to a temporary directory, then renamed: a crash mid-write leaves any previous
-    version intact, and checkpoint_steps never counts a half-written one."""
-    temporary = path.rstrip("/") + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
-    write_prm(temporary, prm, base_backbone, weights)
-    with open(os.path.join(temporary, "args.json"), "w") as f:
-        json.dump({"script": "prm.py", **asdict(args)}, f, indent=2)
-    torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    os.replace(temporary, path)
 
 
 def checkpoint_steps(output_dir: str) -> list[int]:
@@ -1052,8 +1038,6 @@ def matmul_flops_per_s(device, dtype: torch.dtype, seconds: float = 0.5, size: i
     while time.perf_counter() - start < seconds:
         a @ b
         count += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     return 2 * size**3 * count / (time.perf_counter() - start)
 
 
@@ -1323,14 +1307,14 @@ def train(args: Args) -> dict:
         weights, optimizer_state = (full_state_dicts(prm, optimizer if optimizer.state else None) if args.fsdp
                                     else (None, optimizer.state_dict()))
         if is_main:
-            save_checkpoint(path, prm, base_copy, args, {
+            save_prm(path, prm, base_copy, weights, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p],
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_states,
                 "eval_start": eval_start, "eval_last": eval_metrics, "data_fingerprint": fingerprint,
                 # informational: where the next batch starts (rebuilt from the step number on resume)
                 "data_position": {"epoch": step * args.batch_size // len(train_examples),
-                                  "row_in_epoch": step * args.batch_size % len(train_examples)}}, weights)
+                                  "row_in_epoch": step * args.batch_size % len(train_examples)}})
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
