@@ -26,6 +26,9 @@ Settings (the harness README, "Comparing with your own script"):
         so. Mean tokens per step are reported for both sides (ours measured; TRL's from its own tokenize_row on
         the same rows, times the batch size), plus the expected padded tokens per step (both pad to the longest
         row of the batch).
+  GRPO long (grpo_small_long): the same, with LONG_PROMPT_PREFIX before every prompt (69 tokens with BOS) and
+        --max-prompt-length 80 both sides. grpo.py encodes each prompt once per micro-batch in the reference
+        and training passes (--share-prompts auto); TRL encodes it in every row.
   Differences that do not change the work per step: the learning-rate schedule (TRL linear decay, ours
   constant), Adam beta2 (0.999 vs 0.99), and the sampled batches (each side's own seeded order).
 
@@ -68,7 +71,11 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ["grpo_tiny", "grpo_small", "prm_tiny", "prm_tiny_lora", "prm_small", "prm_small_lora"]
+CONFIGS = ["grpo_tiny", "grpo_small", "grpo_small_long", "prm_tiny", "prm_tiny_lora", "prm_small", "prm_small_lora"]
+# grpo_*_long: every prompt starts with this instruction (64 characters, one token each in the harness's character
+# tokenizer: 69-token prompts with BOS), as a realistic prompt-to-completion ratio; the TRL side runs the harness
+# with its make_prompts wrapped to add it (--trl-grpo-prefix)
+LONG_PROMPT_PREFIX = "Add the two digits below and reply with their sum in digits. Q: "
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # the harness's target_modules
 
 
@@ -151,6 +158,21 @@ def probe_prm_data(harness_dir: str, model_dir: str, out_path: str, batch_size: 
     return {"rows": len(rows), "step_labels": sum(len(r["labels"]) for r in rows), "tokenised_by": how,
             "mean_row_tokens": sum(lens) / len(lens), "max_row_tokens": max(lens),
             "tokens_per_step": batch_size * sum(lens) / len(lens), "padded_tokens_per_step": sum(padded) / len(padded)}
+
+
+def trl_grpo_with_prefix(harness_dir: str, prefix: str, harness_args: list[str]) -> int:
+    """The harness's GRPOTrainer benchmark with `prefix` before every prompt (its make_prompts wrapped), run under
+    the TRL venv as `bench_vs_trl.py --trl-grpo-prefix PREFIX -- HARNESS_ARGS`."""
+    sys.path.insert(0, harness_dir)
+    import trl_grpo_bench as h
+    import tyro
+
+    make_prompts = h.make_prompts
+    h.make_prompts = lambda max_tokens, tok: [{**row, "prompt": prefix + row["prompt"]}
+                                              for row in make_prompts(max_tokens, tok)]
+    h.main(tyro.cli(h.Args, args=harness_args))
+    sys.stdout.flush()
+    return 0
 
 
 def run_probe(python: str, name: str, **kwargs) -> dict:
@@ -254,7 +276,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
     if cfg["kind"] == "grpo":
         return [a.ours_python, os.path.join(a.main_dir, "grpo.py"), "--model", cfg["model"],
-                "--data-path", data["grpo_prompts"], "--no-chat-template", "--max-prompt-length", "16",
+                "--data-path", data[cfg["prompts"]], "--no-chat-template", "--max-prompt-length",
+                str(cfg["max_prompt_length"]),
                 "--prompts-per-step", "2", "--group-size", "8", "--max-new-tokens", "8", "--temperature", "1.0",
                 "--kl-coef", "0.05", "--loss-type", "dapo", "--scale-rewards", "group", "--num-iterations", "1",
                 "--learning-rate", "1e-3", "--warmup-steps", "0", "--total-steps", str(a.grpo_steps),
@@ -277,10 +300,14 @@ def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
 
 def trl_cmd(cfg: dict, a, out_json: Path, out_dir: Path) -> list[str]:
     if cfg["kind"] == "grpo":
-        return [a.trl_python, os.path.join(a.harness_dir, "trl_grpo_bench.py"), "--model", cfg["model"],
+        harness = [a.trl_python, os.path.join(a.harness_dir, "trl_grpo_bench.py")]
+        if cfg["prompts"] == "grpo_prompts_long":
+            harness = [a.trl_python, os.path.abspath(__file__), "--harness-dir", a.harness_dir, "--trl-grpo-prefix",
+                       LONG_PROMPT_PREFIX, "--"]
+        return harness + ["--model", cfg["model"],
                 "--steps", str(a.grpo_steps), "--num-generations", "8", "--per-device-train-batch-size", "16",
                 "--gradient-accumulation-steps", "1", "--num-iterations", "1", "--max-completion-length", "8",
-                "--max-prompt-length", "16", "--beta", "0.05", "--learning-rate", "1e-3", "--temperature", "1.0",
+                "--max-prompt-length", str(cfg["max_prompt_length"]), "--beta", "0.05", "--learning-rate", "1e-3", "--temperature", "1.0",
                 "--loss-type", "dapo", "--scale-rewards", "group", "--no-activation-checkpointing", "--seed", "0",
                 "--no-eval-greedy", "--output-dir", str(out_dir), "--out-json", str(out_json)]
     cmd = [a.trl_prm_python, os.path.join(a.harness_dir, "trl_prm_bench.py"), "--model", cfg["model"],
@@ -313,6 +340,7 @@ def run_ours(cfg, a, data, rep_dir: Path) -> dict:
             if vals:
                 res[key + "_per_step" if key.endswith("_s") else key] = sum(vals) / len(vals)
         res["generated_tokens_per_s"] = s.get("generated_tokens_per_s")
+        res["own_floor_fraction"] = s.get("flop_floor_fraction")  # its FLOPs as computed (shared prompts counted once)
     else:
         # tokens_per_s = sum(tokens) / sum(times) over the timed steps, so this is their mean tokens per step
         if s.get("tokens_per_s") is not None:
@@ -429,7 +457,9 @@ def report(results: dict, a, notes: list[str]) -> str:
                     f"-{max(x['gflops_max'] for x in mm):.1f}, {mm[0]['threads']} threads); floor "
                     f"{med([f for _, f in floors]):.4f} s/step; floor fraction ours {fmt(med(fr_o), '.3f')} "
                     f"[{fmt(min(fr_o) if fr_o else None, '.3f')}-{fmt(max(fr_o) if fr_o else None, '.3f')}], "
-                    f"TRL {fmt(med(fr_t), '.3f')}")
+                    f"TRL {fmt(med(fr_t), '.3f')}; ours against the FLOPs it computes (its summary's "
+                    f"flop_floor_fraction: prompts shared in a micro-batch counted once) "
+                    f"{fmt(med([p['ours'].get('own_floor_fraction') for p in pairs]), '.3f')}")
         else:
             d = r.get("prm_data")
             if d:
@@ -485,6 +515,8 @@ def parse_args(argv=None):
     ap.add_argument("--out-json", default=None, help="all raw results (default: <work-dir>/results.json)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--trl-grpo-prefix", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("harness_args", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--probe-args", default="{}", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.harness_dir = os.path.abspath(a.harness_dir or os.path.join(a.main_dir, "..", "shared", "bench"))
@@ -495,6 +527,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     global THREADS_ENV
     a = parse_args(argv)
+    if a.trl_grpo_prefix is not None:
+        return trl_grpo_with_prefix(a.harness_dir, a.trl_grpo_prefix, a.harness_args)
     if a.probe:
         fn = {"matmul": probe_matmul, "model-info": probe_model_info, "prm-data": probe_prm_data}[a.probe]
         print("PROBE " + json.dumps(fn(**json.loads(a.probe_args))), flush=True)
@@ -536,12 +570,12 @@ def main(argv=None) -> int:
                             "--root", a.bench_root], check=True, env=child_env(a.bench_root))
 
     # data: the harness's 100 "a+b=" prompts (its make_prompts; never truncated at 16 tokens: 5 with BOS)
-    data = {"grpo_prompts": str(work / "grpo_prompts.jsonl")}
+    data = {"grpo_prompts": str(work / "grpo_prompts.jsonl"), "grpo_prompts_long": str(work / "grpo_prompts_long.jsonl")}
     prompts = [f"{x}+{y}=" for x in range(10) for y in range(10)]
-    with open(data["grpo_prompts"], "w") as f:
-        for p in prompts:
-            x, y = p[0], p[2]
-            f.write(json.dumps({"prompt": p, "answer": str(int(x) + int(y))}) + "\n")
+    for key, prefix in (("grpo_prompts", ""), ("grpo_prompts_long", LONG_PROMPT_PREFIX)):
+        with open(data[key], "w") as f:
+            for p in prompts:
+                f.write(json.dumps({"prompt": prefix + p, "answer": str(int(p[0]) + int(p[2]))}) + "\n")
     prm_data = None
     prm_sizes = sorted({c.split("_")[1] for c in configs if c.startswith("prm")})
     if prm_sizes:
@@ -564,11 +598,14 @@ def main(argv=None) -> int:
     results = {}
     for name in configs:
         kind, size = name.split("_")[0], name.split("_")[1]
-        cfg = {"kind": kind, "size": size, "model": models[size], "lora": name.endswith("_lora")}
+        long = name.endswith("_long")
+        cfg = {"kind": kind, "size": size, "model": models[size], "lora": name.endswith("_lora"),
+               "prompts": "grpo_prompts_long" if long else "grpo_prompts", "max_prompt_length": 80 if long else 16}
         r = results[name] = {"cfg": cfg, "pairs": []}
         if kind == "grpo":
             try:
-                r["model_info"] = run_probe(a.ours_python, "model-info", model_dir=cfg["model"], prompts=prompts)
+                r["model_info"] = run_probe(a.ours_python, "model-info", model_dir=cfg["model"],
+                                            prompts=[(LONG_PROMPT_PREFIX if long else "") + p for p in prompts])
             except Exception as e:
                 notes.append(f"{name}: model-info probe failed, no FLOP floor: {e}")
         elif prm_data:

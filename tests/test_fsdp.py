@@ -20,9 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 TIMING_KEYS = {"step_time_s", "generation_time_s", "reward_time_s", "reference_time_s", "update_time_s", "memory_mb"}
 
+# --share-prompts always: two forward passes (prompts, then completions) before each backward pass under FSDP
 GRPO_FLAGS = ["--total-steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--micro-batch-size", "8",
               "--kl-coef", "0.05", "--learning-rate", "1e-3", "--eval-every", "2", "--num-eval-prompts", "8",
-              "--save-every", "2"]
+              "--save-every", "2", "--share-prompts", "always"]
 PRM_FLAGS = ["--total-steps", "3", "--batch-size", "16", "--micro-batch-size", "4", "--eval-every", "2",
              "--num-eval-rows", "40", "--num-val-rows", "40", "--learning-rate", "1e-3", "--save-every", "2"]
 
@@ -90,7 +91,7 @@ def test_fsdp_equals_one_process_and_resumes_exactly(script, flags, tmp_path):
 
 @pytest.mark.parametrize("script, flags", [
     ("grpo", ["--total-steps", "2", "--prompts-per-step", "4", "--group-size", "8", "--lora-r", "8",
-              "--kl-coef", "0.05", "--eval-every", "0", "--num-eval-prompts", "8"]),
+              "--kl-coef", "0.05", "--eval-every", "0", "--num-eval-prompts", "8", "--share-prompts", "always"]),
     ("prm", ["--total-steps", "2", "--batch-size", "16", "--lora-r", "8", "--eval-every", "0",
              "--num-eval-rows", "40", "--num-val-rows", "40"]),
 ])

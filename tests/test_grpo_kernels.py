@@ -3,8 +3,8 @@ loops over sequences and tokens (never by calling the kernel under test).
 
 Covers grpo_loss (every loss type, both signs of A, clip boundaries and their gradients, eps_low != eps_high,
 delta, KL with k1/k2/k3, fully masked rows, micro-batch equivalence, stats), kl_penalty, group_advantages,
-token_logprobs, filter_logits, left_pad, and the sampler/trainer log-prob alignment of generate and
-completion_logprobs on the tiny model.
+token_logprobs, filter_logits, left_pad, the sampler/trainer log-prob alignment of generate and
+completion_logprobs on the tiny model, and completion_logprobs with shared prompts against every row encoded.
 """
 
 import copy
@@ -29,6 +29,7 @@ from grpo import (  # noqa: E402
     grpo_loss,
     kl_penalty,
     left_pad,
+    prompt_sharing,
     step_flops,
     token_logprobs,
     weight_counts,
@@ -1026,10 +1027,61 @@ def test_weight_counts_of_tied_and_untied_models():
 def test_step_flops_by_hand():
     # body 10 weights, head 3; 4 prompt tokens over the batch (2 distinct), 5 completion tokens.
     # forward pass: 2 * (10 * (4 + 5) + 3 * 5) = 210; rollout: 2 * 10 * 2 + 2 * 13 * 5 = 170
-    common = dict(prompt_tokens=4, unique_prompt_tokens=2, completion_tokens=5)
+    common = dict(unique_prompt_tokens=2, reference_prompt_tokens=4, update_prompt_tokens=4, completion_tokens=5)
     assert step_flops(10, 3, **common, reference=False, iterations=1, full_finetune=True) == 170 + 3 * 210
     assert step_flops(10, 3, **common, reference=True, iterations=1, full_finetune=True) == 170 + 4 * 210
     assert step_flops(10, 3, **common, reference=True, iterations=2, full_finetune=False) == 170 + 5 * 210
+    # shared prompts: a pass that encodes the 2 distinct prompt tokens costs 2 * (10 * (2 + 5) + 3 * 5) = 170
+    shared = dict(common, reference_prompt_tokens=2)
+    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 170 + 170 + 3 * 210
+    shared = dict(common, reference_prompt_tokens=2, update_prompt_tokens=2)
+    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=False) == 170 + 170 + 2 * 170
+
+
+def test_prompt_sharing_plans():
+    # 2 prompts x group 8, prompts 5 positions wide: sharing skips 14 x 5 = 70 < 128 positions, not worth it
+    assert prompt_sharing(slice(0, 16), 8, 5, "auto") is None
+    assert prompt_sharing(slice(0, 16), 8, 10, "auto") == [0] * 8 + [1] * 8  # skips 140
+    assert prompt_sharing(slice(0, 16), 8, 100, "never") is None
+    # a micro-batch that cuts groups: rows 6 .. 13 hold the end of prompt 0, all of 1 (group 4), the start of 2
+    assert prompt_sharing(slice(6, 14), 4, 1, "always") == [0, 0, 1, 1, 1, 1, 2, 2]
+    assert prompt_sharing(slice(3, 4), 4, 1000, "auto") is None  # one row: nothing to share
+    assert prompt_sharing(slice(3, 4), 4, 1, "always") == [0]
+
+
+@pytest.mark.parametrize("rows,num_completion", [(slice(0, 12), 6), (slice(2, 10), 6), (slice(0, 12), 1)])
+def test_shared_prompts_equal_every_row_encoded(tiny, rows, num_completion):
+    """Encoding each prompt once and indexing its keys and values out to its rows gives the log-probs, entropies
+    and weight gradients of encoding every row's prompt: with left padding (3 prompt lengths), early EOS, a
+    micro-batch that cuts groups (rows 2 .. 9), and one completion token (no second pass)."""
+    tokenizer, models, prompt_lists = tiny
+    group = 4
+    model = copy.deepcopy(models["sharp"]).train()
+    prompts = [p for p in prompt_lists[:3] for _ in range(group)]  # 12 rows, 3 groups
+    ids, mask, (comp, comp_mask, _) = sample(tokenizer, EosBoost(model, tokenizer.eos_token_id, 1.0), prompts,
+                                             seed=5, max_new_tokens=num_completion)
+    ids, mask, comp, comp_mask = ids[rows], mask[rows], comp[rows], comp_mask[rows]
+    on = comp_mask.bool()
+    assert num_completion == 1 or (~on).any()  # some completion ended early: masked positions are exercised
+    prompt_of_row = prompt_sharing(rows, group, ids.shape[1], "always")
+
+    def run(plan):
+        model.zero_grad(set_to_none=True)
+        logp, entropy = completion_logprobs(model, ids, mask, comp, comp_mask, 0.7, with_entropy=True,
+                                            prompt_of_row=plan)
+        (logp * comp_mask).sum().backward()
+        return logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    every_logp, every_entropy, every_grads = run(None)
+    shared_logp, shared_entropy, shared_grads = run(prompt_of_row)
+    torch.testing.assert_close(shared_logp[on], every_logp[on], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_entropy[on], every_entropy[on], atol=1e-5, rtol=0)
+    for name, grad in every_grads.items():  # sums of many terms in another order: fp32 rounding of the largest
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5 * grad.abs().max().item(), rtol=1e-4,
+                                   msg=name)
+    # the check can fail: giving every row the first row's prompt changes the log-probs
+    wrong_logp, _, _ = run([0] * len(prompt_of_row))
+    assert (wrong_logp[on] - every_logp[on]).abs().max() > 1e-2
 
 
 def test_generate_never_feeds_back_the_last_token():
