@@ -50,7 +50,7 @@ threads then oversubscribe the cores and a step can take 10x longer (tiny PRM, 2
 0.17-0.66 s/step with default threads, 0.015 s with --threads 1); --threads 1 (OMP_NUM_THREADS, both sides) or
 --quiet-wait 300 gives steadier figures; the published baseline used torch's default threads on an idle machine.
 
-Run (from the repository root; about 6 min on an idle 2-core CPU with the default 3 repetitions):
+Run (from the repository root; about 13 min on an idle 2-core CPU with the default 3 repetitions):
     python benchmarks/bench_vs_trl.py
     python benchmarks/bench_vs_trl.py --configs grpo_small --reps 5
     python benchmarks/bench_vs_trl.py --reps 1 --grpo-steps 5 --prm-steps 5 --configs grpo_tiny,prm_tiny  # smoke
