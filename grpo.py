@@ -655,6 +655,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                          logits_to_keep=1).logits[owner]  # [B, 1, V]
     if num_completion == 1:
         return token_logprobs(first_logits, completion_ids, temperature, with_entropy)
+    if cache.get_seq_length() != prompt_ids.shape[1]:  # else the completions would be scored without their prompt
+        raise UserError(f"--share-prompts: {type(model).__name__} did not fill the KV cache in its training pass "
+                        "(gradient checkpointing drops it in transformers); run with --share-prompts never")
     cache.batch_select_indices(owner)  # [U, heads, P, d] -> [B, heads, P, d] in every layer
     position_ids = prompt_mask.sum(1, keepdim=True) + torch.arange(num_completion - 1, device=prompt_ids.device)
     rest_logits = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask, position_ids=position_ids,

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo import (  # noqa: E402
+    UserError,
     build_tiny_model,
     build_tiny_tokenizer,
     completion_logprobs,
@@ -1082,6 +1083,19 @@ def test_shared_prompts_equal_every_row_encoded(tiny, rows, num_completion):
     # the check can fail: giving every row the first row's prompt changes the log-probs
     wrong_logp, _, _ = run([0] * len(prompt_of_row))
     assert (wrong_logp[on] - every_logp[on]).abs().max() > 1e-2
+
+
+def test_shared_prompts_refuse_a_model_that_drops_the_cache(tiny):
+    """transformers drops the cache in gradient-checkpointed layers: the completions would then be scored without
+    their prompt, so completion_logprobs stops with a message instead (train() never shares there)."""
+    tokenizer, models, prompt_lists = tiny
+    model = copy.deepcopy(models["plain"])
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, mask = left_pad([prompt_lists[0]] * 2, tokenizer.pad_token_id, "cpu")
+    completion = torch.tensor([[5, 6, 7], [5, 8, 9]])
+    with pytest.raises(UserError, match="did not fill the KV cache"):
+        completion_logprobs(model, ids, mask, completion, torch.ones_like(completion), 1.0, prompt_of_row=[0, 0])
 
 
 def test_generate_never_feeds_back_the_last_token():

@@ -121,10 +121,12 @@ def test_micro_batches_give_the_same_update(tmp_path):
 
 def test_shared_prompts_give_the_same_run(tmp_path):
     """Each prompt encoded once (--share-prompts always), in micro-batches of 6 that cut groups of 4, against every
-    row's prompt encoded: the same metrics and weights, with the frozen reference copy and with LoRA."""
+    row's prompt encoded: the same metrics and weights, with the frozen reference copy, with LoRA, and under
+    gradient checkpointing (where only the reference pass shares: transformers drops the cache in training)."""
     from safetensors.torch import load_file
 
-    for name, lr, extra in [("full", 3e-4, []), ("lora", 1e-2, ["--lora-r", "4"])]:
+    for name, lr, extra in [("full", 3e-4, []), ("lora", 1e-2, ["--lora-r", "4"]),
+                            ("checkpointing", 3e-4, ["--gradient-checkpointing"])]:
         every, shared = tmp_path / f"{name}-every", tmp_path / f"{name}-shared"
         flags = [*QUICK, "--total-steps", "2", "--kl-coef", "0.05", "--micro-batch-size", "6",
                  "--learning-rate", str(lr), *extra]
