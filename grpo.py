@@ -159,8 +159,9 @@ class Args:
     """completions per forward/backward pass (gradient accumulation); 0 = the whole local batch at once"""
     share_prompts: Literal["auto", "always", "never"] = "auto"
     """encode each prompt once per micro-batch in the reference and training passes, its keys and values shared by
-    its completions; auto = when that skips at least 128 prompt tokens. Not in the training pass under
-    --gradient-checkpointing (transformers drops the cache there)"""
+    its completions; auto = when that skips at least 128 prompt positions, padding included (the break-even
+    measured on a 2-core CPU; a GPU's may differ). Not in the training pass under --gradient-checkpointing
+    (transformers drops the cache there)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (0 = off)"""
     weight_decay: float = 0.0
@@ -629,10 +630,11 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     (only ever a target: feeding it would cost a position of every layer), with logits kept only at the T positions
     that predict completion tokens (never [B, P+T, V]). Returns logp [B, T] and the entropy or None.
 
-    prompt_of_row: each row's prompt, numbered from 0 in order of first appearance (rows with one number have the
-    same prompt). Each prompt is then encoded once, and its keys and values indexed out to its rows before one pass
-    over the completions: the group's prompt is computed once instead of group-size times, and gradients flow back
-    through the indexing into it. None: one pass over every row's prompt and completion."""
+    prompt_of_row: each row's prompt, numbered from 0 in order of first appearance; rows with one number must have
+    identical prompt_ids and prompt_mask (left-padded), and every completion mask is ones then zeros. Each prompt
+    is then encoded once, and its keys and values indexed out to its rows before one pass over the completions:
+    the group's prompt is computed once instead of group-size times, and gradients flow back through the indexing
+    into it. None: one pass over every row's prompt and completion."""
     num_completion = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [B, P+T-1]
     if prompt_of_row is None:
@@ -656,8 +658,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     if num_completion == 1:
         return token_logprobs(first_logits, completion_ids, temperature, with_entropy)
     if cache.get_seq_length() != prompt_ids.shape[1]:  # else the completions would be scored without their prompt
-        raise UserError(f"--share-prompts: {type(model).__name__} did not fill the KV cache in its training pass "
-                        "(gradient checkpointing drops it in transformers); run with --share-prompts never")
+        raise UserError(f"--share-prompts: {type(model).__name__} did not fill the KV cache it was given (as "
+                        "transformers' gradient-checkpointed layers do, or a model that ignores `cache=`); run with "
+                        "--share-prompts never")
     cache.batch_select_indices(owner)  # [U, heads, P, d] -> [B, heads, P, d] in every layer
     position_ids = prompt_mask.sum(1, keepdim=True) + torch.arange(num_completion - 1, device=prompt_ids.device)
     rest_logits = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask, position_ids=position_ids,
@@ -1251,8 +1254,12 @@ def train(args: Args) -> dict:
 
             # 4. reference log-probs (no grad); old log-probs come free from the first iteration (see step 5)
             micro_batches = [slice(i, min(i + micro_batch, local_batch)) for i in range(0, local_batch, micro_batch)]
-            # each micro-batch's rows numbered by prompt, or None: see --share-prompts
-            prompt_of_row = {mb.start: prompt_sharing(mb, args.group_size, prompt_ids.shape[1], args.share_prompts)
+            # each micro-batch's rows numbered by prompt, or None (see --share-prompts). Under FSDP every forward is
+            # a collective, so all processes must make the same choice (two passes or one): from the widest prompt
+            prompt_width = torch.tensor(prompt_ids.shape[1], device=device)
+            if args.fsdp:
+                dist.all_reduce(prompt_width, op=dist.ReduceOp.MAX)
+            sharing_plans = {mb.start: prompt_sharing(mb, args.group_size, int(prompt_width), args.share_prompts)
                              for mb in micro_batches}
             ref_logp = torch.zeros_like(sampler_logp)
             if args.kl_coef != 0.0:
@@ -1263,7 +1270,7 @@ def train(args: Args) -> dict:
                     for mb in micro_batches:
                         ref_logp[mb] = completion_logprobs(reference_model, prompt_ids[mb], prompt_mask[mb],
                                                            completion_ids[mb], completion_mask[mb], args.temperature,
-                                                           prompt_of_row=prompt_of_row[mb.start])[0]
+                                                           prompt_of_row=sharing_plans[mb.start])[0]
             t_referenced = sync_clock()
             timings["reference"] += t_referenced - t_rewarded
 
@@ -1281,7 +1288,7 @@ def train(args: Args) -> dict:
                     logp, entropy = completion_logprobs(
                         model, prompt_ids[mb], prompt_mask[mb], completion_ids[mb], completion_mask[mb],
                         args.temperature, with_entropy=True,
-                        prompt_of_row=None if args.gradient_checkpointing else prompt_of_row[mb.start])
+                        prompt_of_row=None if args.gradient_checkpointing else sharing_plans[mb.start])
                     if iteration == 0:
                         old_logp[mb] = logp.detach()
                     loss, stats = grpo_loss(
@@ -1343,7 +1350,7 @@ def train(args: Args) -> dict:
             for mb in micro_batches:
                 prompts = [row // args.group_size for row in range(mb.start, mb.stop)]
                 encoded["every row"] += sum(prompt_lengths[p] for p in prompts)
-                encoded["shared"] += sum(prompt_lengths[p] for p in (prompts if prompt_of_row[mb.start] is None
+                encoded["shared"] += sum(prompt_lengths[p] for p in (prompts if sharing_plans[mb.start] is None
                                                                      else set(prompts)))
             step_model_flops.append(step_flops(
                 body_weights, head_weights, unique_prompt_tokens=sum(prompt_lengths),

@@ -519,6 +519,8 @@ def parse_args(argv=None):
     ap.add_argument("harness_args", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--probe-args", default="{}", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.harness_args and a.trl_grpo_prefix is None:
+        ap.error(f"unexpected arguments: {' '.join(a.harness_args)}")
     a.harness_dir = os.path.abspath(a.harness_dir or os.path.join(a.main_dir, "..", "shared", "bench"))
     a.main_dir, a.bench_root = os.path.abspath(a.main_dir), os.path.abspath(a.bench_root)
     return a

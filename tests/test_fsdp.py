@@ -4,6 +4,7 @@ FSDP2 over gloo with 2 processes, against one plain process on the same global b
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,36 @@ def run_one(script: str, out: Path, *flags: str) -> None:
     assert process.returncode == 0, process.stderr[-3000:]
 
 
-def run_fsdp(script: str, out: Path, *flags: str) -> None:
-    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                              "tests/fsdp_on_cpu.py", script, "--fsdp", "--output-dir", str(out), *flags],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert process.returncode == 0, process.stderr[-3000:]
+def run_fsdp(script: str, out: Path, *flags: str, timeout: int = 300) -> None:
+    """torchrun with 2 processes; a run past the timeout (a deadlock) fails the test and leaves no worker behind."""
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                "2", "tests/fsdp_on_cpu.py", script, "--fsdp", "--output-dir", str(out), *flags],
+                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(process.pid)  # torchrun starts each worker in a session of its own: found by parent id
+        process.communicate()
+        pytest.fail(f"{script} under FSDP did not finish in {timeout} s (deadlocked collectives?)")
+    assert process.returncode == 0, stderr[-3000:]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (Linux: parent ids from /proc), children first."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(command name)": state, ppid, ...
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    for child in children:
+        kill_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def metrics(out: Path) -> list[dict]:
@@ -103,6 +129,24 @@ def test_fsdp_with_lora_equals_one_process(script, flags, tmp_path):
     adapters = weights(sharded / "final")
     assert any("lora_A" in name for name in adapters)  # the adapter, not the whole model
     assert_close_weights(adapters, weights(plain / "final"))
+
+
+def test_fsdp_processes_agree_on_sharing_prompts(tmp_path):
+    """--share-prompts auto decides per micro-batch from the prompt width; a process whose prompts are 18 positions
+    wide skips 7 x 18 = 126 < 128 (one pass), one at 19 skips 133 (two passes). Under FSDP every forward is a
+    collective, so the processes decide from the widest prompt of any: otherwise they would run different
+    numbers of passes and deadlock (the timeout) or pair all-gathers wrongly."""
+    rows = [{"prompt": f"({i:0{digits}d}+7)%10=", "answer": str((i + 7) % 10)}  # 17 or 18 characters, + BOS
+            for i in range(4) for digits in (9, 10)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--data-path", str(data), "--no-chat-template", "--total-steps", "3", "--prompts-per-step", "4",
+             "--group-size", "8", "--micro-batch-size", "8", "--kl-coef", "0.05", "--eval-every", "0",
+             "--num-eval-prompts", "0", "--share-prompts", "auto"]
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    run_one("grpo", plain, *flags)
+    run_fsdp("grpo", sharded, *flags, timeout=120)
+    assert_close_metrics(metrics(sharded), metrics(plain))
 
 
 @pytest.mark.parametrize("module, script", [(grpo, "grpo.py"), (prm, "prm.py")])

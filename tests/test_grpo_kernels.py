@@ -1026,17 +1026,19 @@ def test_weight_counts_of_tied_and_untied_models():
 
 
 def test_step_flops_by_hand():
-    # body 10 weights, head 3; 4 prompt tokens over the batch (2 distinct), 5 completion tokens.
-    # forward pass: 2 * (10 * (4 + 5) + 3 * 5) = 210; rollout: 2 * 10 * 2 + 2 * 13 * 5 = 170
-    common = dict(unique_prompt_tokens=2, reference_prompt_tokens=4, update_prompt_tokens=4, completion_tokens=5)
-    assert step_flops(10, 3, **common, reference=False, iterations=1, full_finetune=True) == 170 + 3 * 210
-    assert step_flops(10, 3, **common, reference=True, iterations=1, full_finetune=True) == 170 + 4 * 210
-    assert step_flops(10, 3, **common, reference=True, iterations=2, full_finetune=False) == 170 + 5 * 210
-    # shared prompts: a pass that encodes the 2 distinct prompt tokens costs 2 * (10 * (2 + 5) + 3 * 5) = 170
+    # body 10 weights, head 3; 4 prompt tokens over the batch (1 distinct prompt token), 5 completion tokens.
+    # a pass over every row: 2 * (10 * (4 + 5) + 3 * 5) = 210; rollout: 2 * 10 * 1 + 2 * 13 * 5 = 150
+    common = dict(unique_prompt_tokens=1, reference_prompt_tokens=4, update_prompt_tokens=4, completion_tokens=5)
+    assert step_flops(10, 3, **common, reference=False, iterations=1, full_finetune=True) == 150 + 3 * 210
+    assert step_flops(10, 3, **common, reference=True, iterations=1, full_finetune=True) == 150 + 4 * 210
+    assert step_flops(10, 3, **common, reference=True, iterations=2, full_finetune=False) == 150 + 5 * 210
+    # shared prompts: a pass that encodes 2 prompt tokens costs 2 * (10 * (2 + 5) + 3 * 5) = 170
     shared = dict(common, reference_prompt_tokens=2)
-    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 170 + 170 + 3 * 210
+    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 150 + 170 + 3 * 210
     shared = dict(common, reference_prompt_tokens=2, update_prompt_tokens=2)
-    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=False) == 170 + 170 + 2 * 170
+    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=False) == 150 + 170 + 2 * 170
+    shared = dict(common, update_prompt_tokens=2)  # gradient checkpointing the other way round: not mixed up
+    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 150 + 210 + 3 * 170
 
 
 def test_prompt_sharing_plans():

@@ -143,6 +143,37 @@ def test_shared_prompts_give_the_same_run(tmp_path):
         assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < 0.05 * lr
 
 
+@pytest.mark.parametrize("flags, reference_plans, training_plans", [
+    # 4 prompts of 12 positions (with BOS) x group 4: one micro-batch of 16 rows skips 12 x 12 = 144 >= 128 positions
+    (["--share-prompts", "auto"], "shared", "shared"),
+    # micro-batches of 4 rows hold one prompt each: 3 x 12 = 36 skipped, not worth a second forward call
+    (["--share-prompts", "auto", "--micro-batch-size", "4"], None, None),
+    (["--share-prompts", "never"], None, None),
+    # transformers drops the cache in checkpointed layers while training: only the reference pass shares
+    (["--share-prompts", "always", "--gradient-checkpointing"], "shared", None),
+])
+def test_train_shares_prompts_when_its_flag_says(flags, reference_plans, training_plans, tmp_path, monkeypatch,
+                                                 capsys):
+    """What train() hands completion_logprobs: the rows of each micro-batch numbered by prompt, or None."""
+    import grpo
+    from conftest import run_script_main
+
+    calls = []
+    score = grpo.completion_logprobs
+
+    def spy(*args, prompt_of_row=None, with_entropy=False, **kwargs):
+        calls.append(("training" if with_entropy else "reference", prompt_of_row))
+        return score(*args, prompt_of_row=prompt_of_row, with_entropy=with_entropy, **kwargs)
+
+    monkeypatch.setattr(grpo, "completion_logprobs", spy)
+    argv = ["--output-dir", str(tmp_path / "run"), *QUICK, "--total-steps", "1", "--kl-coef", "0.05", *flags]
+    assert run_script_main(grpo.main, "grpo.py", argv, capsys)[0] == 0
+    shared = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    for which, expected in (("reference", reference_plans), ("training", training_plans)):
+        plans = [plan for kind, plan in calls if kind == which]
+        assert plans and all(plan == (shared if expected == "shared" else None) for plan in plans), (which, plans)
+
+
 def test_saved_model_and_jsonl_with_chat_template(tmp_path):
     model_dir = save_tiny(tmp_path / "tiny-saved", chat_template=True)
     rows = [{"prompt": f"({a}+{b})%10=", "answer": str((a + b) % 10)} for a in range(10, 20) for b in range(20, 24)]
