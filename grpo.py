@@ -1255,13 +1255,23 @@ def train(args: Args) -> dict:
 
             # 4. reference log-probs (no grad); old log-probs come free from the first iteration (see step 5)
             micro_batches = [slice(i, min(i + micro_batch, local_batch)) for i in range(0, local_batch, micro_batch)]
+            # Each micro-batch is cut to its own longest prompt and completion: columns that are padding in all of its
+            # rows change no log-prob and cost a position of every layer. Measured, tiny model, up to 64 new tokens,
+            # micro-batches of 8: reference and update passes 10-17% faster; simulated, 8 x 8 completions of
+            # lognormal lengths up to 512 tokens: 24% of completion positions saved with micro-batches of 16, 38% of 8
+            prompt_lengths = [len(ids) for ids in prompt_list]
+            completion_lengths = completion_mask.sum(1).tolist()  # one host copy per step
+            longest_prompts = [max(prompt_lengths[row // args.group_size] for row in range(mb.start, mb.stop))
+                               for mb in micro_batches]
+            columns = {mb.start: (slice(prompt_ids.shape[1] - longest, None), slice(0, max(completion_lengths[mb])))
+                       for mb, longest in zip(micro_batches, longest_prompts)}  # (prompt, completion) columns
             # each micro-batch's rows numbered by prompt, or None (see --share-prompts). Under FSDP every forward is
             # a collective, so all processes must make the same choice (two passes or one): from the widest prompt
-            prompt_width = torch.tensor(prompt_ids.shape[1], device=device)
+            prompt_widths = torch.tensor(longest_prompts, device=device)
             if args.fsdp:
-                dist.all_reduce(prompt_width, op=dist.ReduceOp.MAX)
-            sharing_plans = {mb.start: prompt_sharing(mb, args.group_size, int(prompt_width), args.share_prompts)
-                             for mb in micro_batches}
+                dist.all_reduce(prompt_widths, op=dist.ReduceOp.MAX)
+            sharing_plans = {mb.start: prompt_sharing(mb, args.group_size, width, args.share_prompts)
+                             for mb, width in zip(micro_batches, prompt_widths.tolist())}
             ref_logp = torch.zeros_like(sampler_logp)
             if args.kl_coef != 0.0:
                 # LoRA: the base model is the reference, with the adapter switched off; otherwise the frozen copy
@@ -1269,9 +1279,11 @@ def train(args: Args) -> dict:
                 switch = model.disable_adapter() if reference is None else contextlib.nullcontext()
                 with torch.no_grad(), switch:
                     for mb in micro_batches:
-                        ref_logp[mb] = completion_logprobs(reference_model, prompt_ids[mb], prompt_mask[mb],
-                                                           completion_ids[mb], completion_mask[mb], args.temperature,
-                                                           prompt_of_row=sharing_plans[mb.start])[0]
+                        prompts, completions = columns[mb.start]
+                        ref_logp[mb, completions] = completion_logprobs(
+                            reference_model, prompt_ids[mb, prompts], prompt_mask[mb, prompts],
+                            completion_ids[mb, completions], completion_mask[mb, completions], args.temperature,
+                            prompt_of_row=sharing_plans[mb.start])[0]
             t_referenced = sync_clock()
             timings["reference"] += t_referenced - t_rewarded
 
@@ -1286,14 +1298,16 @@ def train(args: Args) -> dict:
             for iteration in range(args.num_iterations):
                 loss_sum = torch.zeros((), device=device)
                 for mb in micro_batches:
+                    prompts, completions = columns[mb.start]
                     logp, entropy = completion_logprobs(
-                        model, prompt_ids[mb], prompt_mask[mb], completion_ids[mb], completion_mask[mb],
-                        args.temperature, with_entropy=True,
-                        prompt_of_row=None if args.gradient_checkpointing else sharing_plans[mb.start])
+                        model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
+                        completion_mask[mb, completions], args.temperature, with_entropy=True,
+                        prompt_of_row=None if args.gradient_checkpointing else sharing_plans[mb.start])  # [b, t]
                     if iteration == 0:
-                        old_logp[mb] = logp.detach()
+                        old_logp[mb, completions] = logp.detach()
                     loss, stats = grpo_loss(
-                        logp, old_logp[mb], ref_logp[mb], advantages[mb], loss_mask[mb],
+                        logp, old_logp[mb, completions], ref_logp[mb, completions], advantages[mb],
+                        loss_mask[mb, completions],
                         clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
                         loss_type=args.loss_type, max_completion_length=args.max_new_tokens, delta=args.delta,
                         kl_estimator=args.kl_estimator, total_sequences=total_sequences, total_tokens=total_tokens)
@@ -1301,7 +1315,7 @@ def train(args: Args) -> dict:
                     loss_sum += loss.detach()
                     if iteration == args.num_iterations - 1:  # report the last iteration's view of the batch
                         tokens = stats.pop("tokens")
-                        stats["entropy"] = (entropy * loss_mask[mb]).sum() / tokens.clamp(min=1.0)
+                        stats["entropy"] = (entropy * loss_mask[mb, completions]).sum() / tokens.clamp(min=1.0)
                         for key, value in {**stats, "tokens": torch.ones(())}.items():
                             stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
                 # gradients: each process's loss is already divided by the global counts, so the sum is the mean
@@ -1346,7 +1360,6 @@ def train(args: Args) -> dict:
             step_times.append(step_time)
             n_generated = int(completion_mask.sum())
             # prompt tokens a reference or training pass encodes: once per prompt in micro-batches that share them
-            prompt_lengths = [len(ids) for ids in prompt_list]
             encoded = {"shared": 0, "every row": 0}
             for mb in micro_batches:
                 prompts = [row // args.group_size for row in range(mb.start, mb.stop)]

@@ -174,6 +174,44 @@ def test_train_shares_prompts_when_its_flag_says(flags, reference_plans, trainin
         assert plans and all(plan == (shared if expected == "shared" else None) for plan in plans), (which, plans)
 
 
+def test_micro_batches_are_cut_to_their_own_longest_prompt_and_completion(tmp_path, monkeypatch, capsys):
+    """Columns that are padding in every row of a micro-batch never reach the model: micro-batches of one row get
+    that row's prompt width (5 or 13 positions with BOS, not the batch's 13) and its completion's length; and the
+    run's metrics and weights equal those of the whole batch at once."""
+    import grpo
+    from conftest import run_script_main
+    from safetensors.torch import load_file
+
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "(123+45)%10=", "answer": "8"}]
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    seen = []
+    score = grpo.completion_logprobs
+
+    def spy(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
+        seen.append((prompt_mask.clone(), completion_mask.clone()))
+        return score(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "completion_logprobs", spy)
+    flags = ["--data-path", str(data), "--no-chat-template", "--prompts-per-step", "2", "--group-size", "4",
+             "--max-new-tokens", "24", "--total-steps", "3", "--kl-coef", "0.05", "--eval-every", "0",
+             "--num-eval-prompts", "0", "--share-prompts", "never"]
+    argv = ["--output-dir", str(tmp_path / "split"), *flags, "--micro-batch-size", "1"]
+    assert run_script_main(grpo.main, "grpo.py", argv, capsys)[0] == 0
+    assert {prompt_mask.shape[1] for prompt_mask, _ in seen} == {5, 13}
+    for prompt_mask, completion_mask in seen:  # no column is padding in every row
+        assert prompt_mask.any(0).all() and completion_mask.any(0).all()
+    assert len({completion_mask.shape[1] for _, completion_mask in seen}) > 1  # completions of different lengths
+    monkeypatch.setattr(grpo, "completion_logprobs", score)
+    argv = ["--output-dir", str(tmp_path / "whole"), *flags]
+    assert run_script_main(grpo.main, "grpo.py", argv, capsys)[0] == 0
+    for a, b in zip(read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split"), strict=True):
+        for key, value in a.items():
+            if not key.endswith("time_s") and not key.startswith("memory"):
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+    weights = [load_file(tmp_path / run / "final" / "model.safetensors") for run in ("whole", "split")]
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < 0.05 * 3e-4
+
+
 def test_saved_model_and_jsonl_with_chat_template(tmp_path):
     model_dir = save_tiny(tmp_path / "tiny-saved", chat_template=True)
     rows = [{"prompt": f"({a}+{b})%10=", "answer": str((a + b) % 10)} for a in range(10, 20) for b in range(20, 24)]
