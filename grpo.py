@@ -517,6 +517,9 @@ def encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool, max_p
         if len(ids) > max_prompt_length:
             raise UserError(f"prompt {index} is {len(ids)} tokens, longer than --max-prompt-length "
                             f"{max_prompt_length}: raise the limit or shorten the prompt")
+        if not ids:  # nothing to condition on, and no position whose logits predict the first completion token
+            raise UserError(f"prompt {index} encodes to no tokens (an empty prompt with a tokenizer that adds no BOS): "
+                            "give it some text")
         encoded.append(list(ids))
     return encoded
 
@@ -1263,15 +1266,22 @@ def train(args: Args) -> dict:
             completion_lengths = completion_mask.sum(1).tolist()  # one host copy per step
             longest_prompts = [max(prompt_lengths[row // args.group_size] for row in range(mb.start, mb.stop))
                                for mb in micro_batches]
-            columns = {mb.start: (slice(prompt_ids.shape[1] - longest, None), slice(0, max(completion_lengths[mb])))
-                       for mb, longest in zip(micro_batches, longest_prompts)}  # (prompt, completion) columns
-            # each micro-batch's rows numbered by prompt, or None (see --share-prompts). Under FSDP every forward is
-            # a collective, so all processes must make the same choice (two passes or one): from the widest prompt
-            prompt_widths = torch.tensor(longest_prompts, device=device)
+            longest_completions = [max(completion_lengths[mb]) for mb in micro_batches]
+            # Under FSDP every forward is a collective: every process must run the same passes for each micro-batch,
+            # and their number depends on these widths (shared prompts or not; a second pass only for completions
+            # longer than one token), so all processes use the widest of any (completions: at most T, the same on
+            # every process since decoding stops together)
+            sharing_widths = longest_prompts
             if args.fsdp:
-                dist.all_reduce(prompt_widths, op=dist.ReduceOp.MAX)
+                widths = torch.tensor([longest_prompts, longest_completions], device=device)  # [2, micro-batches]
+                dist.all_reduce(widths, op=dist.ReduceOp.MAX)
+                sharing_widths, longest_completions = widths.tolist()
+            columns = {mb.start: (slice(prompt_ids.shape[1] - prompt_width, None), slice(0, completion_width))
+                       for mb, prompt_width, completion_width in zip(micro_batches, longest_prompts,
+                                                                     longest_completions)}  # (prompt, completion)
+            # each micro-batch's rows numbered by prompt, or None (see --share-prompts)
             sharing_plans = {mb.start: prompt_sharing(mb, args.group_size, width, args.share_prompts)
-                             for mb, width in zip(micro_batches, prompt_widths.tolist())}
+                             for mb, width in zip(micro_batches, sharing_widths)}
             ref_logp = torch.zeros_like(sampler_logp)
             if args.kl_coef != 0.0:
                 # LoRA: the base model is the reference, with the adapter switched off; otherwise the frozen copy

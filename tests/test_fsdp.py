@@ -149,6 +149,38 @@ def test_fsdp_processes_agree_on_sharing_prompts(tmp_path):
     assert_close_metrics(metrics(sharded), metrics(plain))
 
 
+def test_fsdp_processes_agree_when_one_process_stops_at_once(tmp_path):
+    """A micro-batch whose completions are all one token long (EOS first) takes one forward pass with shared prompts
+    (no completion token is fed back), a longer one two. One process gets a prompt after which the model always
+    says EOS, the other one after which it never does first: the processes must cut their micro-batches to the
+    same completion width, or they run different numbers of collectives and deadlock (the timeout)."""
+    torch.manual_seed(0)
+    tokenizer = grpo.build_tiny_tokenizer()
+    model = grpo.build_tiny_model(tokenizer).eval()
+    stops, goes_on = "(100+7)%10=", "(188+7)%10="
+    with torch.no_grad():  # the EOS row of the tied embedding: towards the first prompt's last hidden state, away
+        last = [model(input_ids=torch.tensor([tokenizer(p)["input_ids"]]), output_hidden_states=True)
+                .hidden_states[-1][0, -1] for p in (stops, goes_on)]  # from the second's (no EOS in the prompts)
+        model.get_input_embeddings().weight[tokenizer.eos_token_id] = 20 * (last[0] / last[0].norm()
+                                                                            - last[1] / last[1].norm())
+        logits = [model(input_ids=torch.tensor([tokenizer(p)["input_ids"]])).logits[0, -1] for p in (stops, goes_on)]
+    assert logits[0].argmax() == tokenizer.eos_token_id and logits[0].max() - logits[0].topk(2).values[1] > 20
+    assert logits[1][tokenizer.eos_token_id] < logits[1].max() - 20
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "7"}) + "\n" for p in (stops, goes_on)))
+    # one step: the rewards are all 0 here, so later steps would compare Adam's amplification of rounding noise
+    flags = ["--model", str(tmp_path / "model"), "--data-path", str(data), "--no-chat-template", "--total-steps", "1",
+             "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4", "--kl-coef", "0.05",
+             "--eval-every", "0", "--num-eval-prompts", "0", "--share-prompts", "always"]
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    run_one("grpo", plain, *flags)
+    run_fsdp("grpo", sharded, *flags, timeout=120)
+    assert_close_metrics(metrics(sharded), metrics(plain))
+    assert 1 < metrics(plain)[0]["completion_length"] < 4  # one prompt's completions stop at once, the other's not
+
+
 @pytest.mark.parametrize("module, script", [(grpo, "grpo.py"), (prm, "prm.py")])
 def test_fsdp_is_refused_on_cpu_and_in_one_process(module, script, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"

@@ -201,3 +201,17 @@ def test_two_processes_make_the_same_update_as_one(tmp_path):
     initial = grpo.build_tiny_model(grpo.build_tiny_tokenizer()).state_dict()
     assert max((one[name] - initial[name]).abs().max().item() for name in one) > 5e-4  # Adam moves ~lr
     assert read_metrics(single)[0]["reward"] == pytest.approx(read_metrics(double)[0]["reward"])
+
+
+def test_a_prompt_of_no_tokens_is_refused():
+    """An empty prompt through a tokenizer that adds no BOS leaves no position to predict the first completion token
+    from: an error naming the prompt, not a crash in the middle of a step."""
+    class NoBos:
+        chat_template = None
+
+        def __call__(self, text):
+            return {"input_ids": [ord(c) for c in text]}
+
+    assert grpo.encode_prompts(NoBos(), ["ab", "c"], True, 8) == [[97, 98], [99]]
+    with pytest.raises(grpo.UserError, match="prompt 1 encodes to no tokens"):
+        grpo.encode_prompts(NoBos(), ["ab", ""], True, 8)
