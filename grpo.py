@@ -1257,16 +1257,16 @@ def train(args: Args) -> dict:
             zero_std_groups = (grouped_rewards == grouped_rewards[:, :1]).all(dim=1).float().mean().item()
 
             # 4. reference log-probs (no grad); old log-probs come free from the first iteration (see step 5)
-            micro_batches = [slice(i, min(i + micro_batch, local_batch)) for i in range(0, local_batch, micro_batch)]
+            row_slices = [slice(i, min(i + micro_batch, local_batch)) for i in range(0, local_batch, micro_batch)]
             # Each micro-batch is cut to its own longest prompt and completion: columns that are padding in all of its
             # rows change no log-prob and cost a position of every layer. Measured, tiny model, up to 64 new tokens,
             # micro-batches of 8: reference and update passes 10-17% faster; simulated, 8 x 8 completions of
             # lognormal lengths up to 512 tokens: 24% of completion positions saved with micro-batches of 16, 38% of 8
             prompt_lengths = [len(ids) for ids in prompt_list]
             completion_lengths = completion_mask.sum(1).tolist()  # one host copy per step
-            longest_prompts = [max(prompt_lengths[row // args.group_size] for row in range(mb.start, mb.stop))
-                               for mb in micro_batches]
-            longest_completions = [max(completion_lengths[mb]) for mb in micro_batches]
+            prompts_of = [[row // args.group_size for row in range(rows.start, rows.stop)] for rows in row_slices]
+            longest_prompts = [max(prompt_lengths[p] for p in prompts) for prompts in prompts_of]
+            longest_completions = [max(completion_lengths[rows]) for rows in row_slices]
             # Under FSDP every forward is a collective: every process must run the same passes for each micro-batch,
             # and their number depends on these widths (shared prompts or not; a second pass only for completions
             # longer than one token), so all processes use the widest of any (completions: at most T, the same on
@@ -1276,24 +1276,22 @@ def train(args: Args) -> dict:
                 widths = torch.tensor([longest_prompts, longest_completions], device=device)  # [2, micro-batches]
                 dist.all_reduce(widths, op=dist.ReduceOp.MAX)
                 sharing_widths, longest_completions = widths.tolist()
-            columns = {mb.start: (slice(prompt_ids.shape[1] - prompt_width, None), slice(0, completion_width))
-                       for mb, prompt_width, completion_width in zip(micro_batches, longest_prompts,
-                                                                     longest_completions)}  # (prompt, completion)
-            # each micro-batch's rows numbered by prompt, or None (see --share-prompts)
-            sharing_plans = {mb.start: prompt_sharing(mb, args.group_size, width, args.share_prompts)
-                             for mb, width in zip(micro_batches, sharing_widths)}
+            # (rows, prompt columns, completion columns, the rows numbered by prompt or None: see --share-prompts)
+            micro_batches = [(rows, slice(prompt_ids.shape[1] - prompt_width, None), slice(0, completion_width),
+                              prompt_sharing(rows, args.group_size, sharing_width, args.share_prompts))
+                             for rows, prompt_width, completion_width, sharing_width
+                             in zip(row_slices, longest_prompts, longest_completions, sharing_widths)]
             ref_logp = torch.zeros_like(sampler_logp)
             if args.kl_coef != 0.0:
                 # LoRA: the base model is the reference, with the adapter switched off; otherwise the frozen copy
                 reference_model = model if reference is None else reference
                 switch = model.disable_adapter() if reference is None else contextlib.nullcontext()
                 with torch.no_grad(), switch:
-                    for mb in micro_batches:
-                        prompts, completions = columns[mb.start]
+                    for mb, prompts, completions, plan in micro_batches:
                         ref_logp[mb, completions] = completion_logprobs(
                             reference_model, prompt_ids[mb, prompts], prompt_mask[mb, prompts],
                             completion_ids[mb, completions], completion_mask[mb, completions], args.temperature,
-                            prompt_of_row=sharing_plans[mb.start])[0]
+                            prompt_of_row=plan)[0]
             t_referenced = sync_clock()
             timings["reference"] += t_referenced - t_rewarded
 
@@ -1307,12 +1305,12 @@ def train(args: Args) -> dict:
             stat_sums: dict[str, torch.Tensor] = {}  # token-weighted sums, kept on the device: no sync per micro-batch
             for iteration in range(args.num_iterations):
                 loss_sum = torch.zeros((), device=device)
-                for mb in micro_batches:
-                    prompts, completions = columns[mb.start]
+                reported = iteration == args.num_iterations - 1  # the last iteration's view of the batch is logged
+                for mb, prompts, completions, plan in micro_batches:
                     logp, entropy = completion_logprobs(
                         model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
-                        completion_mask[mb, completions], args.temperature, with_entropy=True,
-                        prompt_of_row=None if args.gradient_checkpointing else sharing_plans[mb.start])  # [b, t]
+                        completion_mask[mb, completions], args.temperature, with_entropy=reported,
+                        prompt_of_row=None if args.gradient_checkpointing else plan)  # [b, t]
                     if iteration == 0:
                         old_logp[mb, completions] = logp.detach()
                     loss, stats = grpo_loss(
@@ -1323,7 +1321,7 @@ def train(args: Args) -> dict:
                         kl_estimator=args.kl_estimator, total_sequences=total_sequences, total_tokens=total_tokens)
                     loss.backward()
                     loss_sum += loss.detach()
-                    if iteration == args.num_iterations - 1:  # report the last iteration's view of the batch
+                    if reported:
                         tokens = stats.pop("tokens")
                         stats["entropy"] = (entropy * loss_mask[mb, completions]).sum() / tokens.clamp(min=1.0)
                         for key, value in {**stats, "tokens": torch.ones(())}.items():
@@ -1368,18 +1366,15 @@ def train(args: Args) -> dict:
             # 6. log (metrics averaged over processes), evaluate, save
             step_time = t_updated - step_start
             step_times.append(step_time)
-            n_generated = int(completion_mask.sum())
+            n_generated = int(sum(completion_lengths))
             # prompt tokens a reference or training pass encodes: once per prompt in micro-batches that share them
-            encoded = {"shared": 0, "every row": 0}
-            for mb in micro_batches:
-                prompts = [row // args.group_size for row in range(mb.start, mb.stop)]
-                encoded["every row"] += sum(prompt_lengths[p] for p in prompts)
-                encoded["shared"] += sum(prompt_lengths[p] for p in (prompts if sharing_plans[mb.start] is None
-                                                                     else set(prompts)))
+            every_row = args.group_size * sum(prompt_lengths)
+            shared = sum(sum(prompt_lengths[p] for p in (prompts if plan is None else set(prompts)))
+                         for prompts, (_, _, _, plan) in zip(prompts_of, micro_batches))
             step_model_flops.append(step_flops(
                 body_weights, head_weights, unique_prompt_tokens=sum(prompt_lengths),
-                reference_prompt_tokens=encoded["shared"] if args.kl_coef != 0.0 else 0,
-                update_prompt_tokens=encoded["every row" if args.gradient_checkpointing else "shared"],
+                reference_prompt_tokens=shared if args.kl_coef != 0.0 else 0,
+                update_prompt_tokens=every_row if args.gradient_checkpointing else shared,
                 completion_tokens=n_generated, reference=args.kl_coef != 0.0, iterations=args.num_iterations,
                 full_finetune=args.lora_r == 0))
             generated_tokens += n_generated
