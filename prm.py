@@ -92,7 +92,8 @@ class Args:
     data_path: Optional[str] = None
     """JSONL training rows {"prompt": str, "completions": [steps], "labels": [bool or 0..1]}; None = built-in"""
     eval_data_path: Optional[str] = None
-    """JSONL held-out rows in the same format; None = the built-in eval set, or no eval with --data-path"""
+    """JSONL held-out rows in the same format (with or without --data-path); None = the built-in eval set, or no
+    eval with --data-path"""
     num_eval_rows: int = 500
     """at most this many held-out rows are evaluated"""
     num_val_rows: int = 200
@@ -1148,9 +1149,9 @@ def train(args: Args) -> dict:
         num_val = min(args.num_val_rows, len(rows) // 10)  # never more than a tenth of the training data
         val_rows, train_rows = rows[:num_val], rows[num_val:]
         eval_rows = []
-        if args.eval_data_path:
-            eval_rows, skipped = load_jsonl_rows(args.eval_data_path, skip_bad_rows=args.skip_bad_rows)
-            eval_rows, skipped_rows = eval_rows[:args.num_eval_rows], skipped_rows + skipped
+    if args.eval_data_path:  # replaces the built-in eval rows too (the built-in training rows stay as they are)
+        eval_rows, skipped = load_jsonl_rows(args.eval_data_path, skip_bad_rows=args.skip_bad_rows)
+        eval_rows, skipped_rows = eval_rows[:args.num_eval_rows], skipped_rows + skipped
     score_rows = []
     if args.score_data_path:  # scored at the end, with the final model
         score_rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
@@ -1243,6 +1244,19 @@ def train(args: Args) -> dict:
         for p, m in zip(trainable, master):
             if m is not p:
                 p.data.copy_(m.data)
+        # the flags win over the optimiser settings the checkpoint restored (args.json of the next checkpoint records
+        # the flags); the current rate is recomputed as LambdaLR computes it, so an unchanged flag changes no bit
+        restored = optimizer.param_groups[0]
+        changed = [f"--{flag} {there!r} in the checkpoint, {here!r} now applies" for flag, there, here in (
+            ("learning-rate", scheduler.base_lrs[0], args.learning_rate),
+            ("weight-decay", restored["weight_decay"], args.weight_decay),
+            ("adam-betas", tuple(restored["betas"]), tuple(args.adam_betas))) if there != here]
+        if changed:
+            print0("note: " + "; ".join(changed), enabled=is_main)
+        scheduler.base_lrs = [args.learning_rate for _ in optimizer.param_groups]
+        for group, schedule in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group.update(lr=args.learning_rate * schedule(scheduler.last_epoch), initial_lr=args.learning_rate,
+                         betas=tuple(args.adam_betas), weight_decay=args.weight_decay)
         print0(f"resumed from {resume_path} at step {start_step}", enabled=is_main)
 
     # after the optimiser and its resumed state have taken the parameters: under FSDP a forward outside training
@@ -1387,6 +1401,7 @@ def train(args: Args) -> dict:
                 if bad_steps_in_a_row >= args.max_bad_steps:
                     raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
                                     "lower --learning-rate or check the labels")
+            learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step's update used (logged below)
             with warnings.catch_warnings():  # a skipped first update is meant: the schedule counts steps, not updates
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
                 scheduler.step()
@@ -1400,7 +1415,7 @@ def train(args: Args) -> dict:
             memory_samples.append(memory_mb(device))
             metrics = {"loss": loss_sum, "accuracy": accuracy_sum / max(steps_seen, 1.0),
                        "score_mean": score_sum / max(steps_seen, 1.0), "grad_norm": grad_norm.item(),
-                       "learning_rate": scheduler.get_last_lr()[0], "labelled_steps": total_labelled,
+                       "learning_rate": learning_rate, "labelled_steps": total_labelled,
                        "skipped_updates": skipped_updates, "step_time_s": step_time,
                        "memory_mb": memory_samples[-1]}
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and evaluates:

@@ -212,6 +212,36 @@ def test_tokenizer_without_pad_token_falls_back_to_eos(tmp_path, capsys):
     assert len(read_metrics(out)) == 1 and (out / "final" / "reward_head.safetensors").is_file()
 
 
+def test_an_eval_file_replaces_the_builtin_eval_rows(tmp_path, capsys):
+    # built-in training rows with an eval file of 5 rows (and a bad line, skipped and counted)
+    rows = builtin_rows(5, seed=11)
+    eval_file = write_rows(tmp_path / "eval.jsonl", [*rows, "{"])
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), "--total-steps", "1", "--batch-size", "4", "--eval-every", "0",
+                          "--num-val-rows", "8", "--num-eval-rows", "20", "--eval-data-path", str(eval_file),
+                          "--skip-bad-rows"], capsys)
+    assert code == 0, err
+    summary = read_summary(out)
+    assert summary["eval_rows"] == 5 and summary["skipped_rows"] == 1
+    # the end-of-run metrics are the final model's on these 5 rows
+    model = prm.load_prm(str(out / "final"), device="cpu")
+    scores = prm.score_steps(model, [row["prompt"] for row in rows], [row["completions"] for row in rows])
+    expected = prm.evaluate(scores, [row["labels"] for row in rows], summary["eval_first_error_threshold_end"])
+    for key, value in expected.items():
+        assert summary[f"{key}_end"] == pytest.approx(value, rel=1e-5), key
+
+
+def test_the_logged_learning_rate_is_the_one_each_update_used(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "3",
+                          "--warmup-steps", "2", "--lr-schedule", "cosine", "--learning-rate", "0.004"], capsys)
+    assert code == 0, err
+    factor = prm.lr_lambda(prm.Args(warmup_steps=2, lr_schedule="cosine"), 3)
+    logged = [row["learning_rate"] for row in read_metrics(out)]
+    assert logged == [0.004 * factor(update) for update in range(3)]
+    assert logged[:2] == [0.002, 0.004]  # by hand: half the rate in the first of 2 warm-up steps, all of it next
+
+
 def nan_on_calls(monkeypatch, bad_calls):
     """prm_loss returning NaN on the given (1-based) training calls: one call per step without micro-batches."""
     real_loss, calls = prm.prm_loss, {"n": 0}
@@ -310,6 +340,43 @@ def test_lora_resume_with_dropout_matches_an_uninterrupted_run(tmp_path, capsys)
     assert b["steps"] == 6 and b["resumed_from_step"] == 3
     assert comparable([{k: v for k, v in a.items() if k.startswith("eval_")}]) == comparable(
         [{k: v for k, v in b.items() if k.startswith("eval_")}])
+
+
+def test_resume_applies_a_changed_learning_rate_weight_decay_and_betas(tmp_path, capsys):
+    flags = [*SMALL, "--data-path", small_data(tmp_path), "--total-steps", "3", "--save-every", "1",
+             "--keep-checkpoints", "3", "--warmup-steps", "2", "--learning-rate", "0.001"]
+    old = tmp_path / "old"
+    code, err = run_main(["--output-dir", str(old), *flags], capsys)
+    assert code == 0, err
+    new = tmp_path / "new"
+    copy_run_up_to(old, new, 2)
+    changed = ["--learning-rate", "0.004", "--weight-decay", "0.1", "--adam-betas", "0.8", "0.9"]
+    code, stdout, err = run_main([*flags, *changed, "--output-dir", str(new), "--resume-from", "latest"], capsys,
+                                 with_stdout=True)
+    assert code == 0, err
+    assert ("note: --learning-rate 0.001 in the checkpoint, 0.004 now applies; --weight-decay 0.0 in the checkpoint, "
+            "0.1 now applies; --adam-betas (0.9, 0.99) in the checkpoint, (0.8, 0.9) now applies") in stdout
+    factor = prm.lr_lambda(prm.Args(warmup_steps=2), 3)
+    learning_rate, weight_decay, (beta1, beta2) = 0.004 * factor(2), 0.1, (0.8, 0.9)
+    assert read_metrics(new)[2]["learning_rate"] == learning_rate
+    # the checkpoint after the resumed step holds the new settings, the rate where the schedule has it
+    state = torch.load(new / "checkpoint-3" / "trainer_state.pt", weights_only=True)
+    [group] = state["optimizer"]["param_groups"]
+    assert state["scheduler"]["base_lrs"] == [0.004] and group["initial_lr"] == 0.004
+    assert (group["lr"], group["weight_decay"], tuple(group["betas"])) == (0.004 * factor(3), 0.1, (0.8, 0.9))
+    # and the resumed step was AdamW's update with them: by hand on the head (the last two parameters)
+    before = load_file(new / "checkpoint-2" / "reward_head.safetensors")
+    after = load_file(new / "checkpoint-3" / "reward_head.safetensors")
+    moments = state["optimizer"]["state"]
+    for index, name in ((len(moments) - 2, "weight"), (len(moments) - 1, "bias")):
+        m, v, step = moments[index]["exp_avg"], moments[index]["exp_avg_sq"], moments[index]["step"].item()
+        assert step == 3
+        update = (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + 1e-8)
+        expected = before[name] * (1 - learning_rate * weight_decay) - learning_rate * update
+        assert torch.allclose(after[name], expected, rtol=0.0, atol=1e-7), name
+    # which is not the step the old settings take
+    assert max_difference(load_file(old / "checkpoint-3" / "model.safetensors"),
+                          load_file(new / "checkpoint-3" / "model.safetensors")) > 1e-3
 
 
 def test_resume_refuses_another_scripts_models_or_runs_checkpoint(tmp_path, capsys):
