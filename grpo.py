@@ -93,8 +93,6 @@ class Args:
     """LoRA rank; 0 = full fine-tuning"""
     lora_alpha: int = 32
     """LoRA scaling numerator (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA branch"""
     lora_target_modules: str = "all-linear"
     """comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear"""
 
@@ -219,18 +217,26 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     scale="group" divides by each group's std, "batch" by the std of the whole batch, "none" not at all.
     std is the unbiased (Bessel) estimate, as in TRL and verl. A group whose rewards are all equal gets
     advantage exactly 0 under every scale (it carries no signal about which completion is better).
+    A NaN reward (a sample whose reward failed) is left out: the mean and std are those of the other samples,
+    as if it had never been drawn, and its own advantage is 0.
     """
     grouped = rewards.view(-1, group_size)  # [num_groups, group_size]
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    valid = ~torch.isnan(grouped)
+    count = valid.sum(dim=1, keepdim=True)  # [num_groups, 1]
+    mean = grouped.nansum(dim=1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(valid, grouped - mean, torch.zeros_like(grouped))
     if scale == "group":
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+        std = (centred.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        centred = centred / (std + eps)
     elif scale == "batch":
-        centred = centred / (rewards.std() + eps)
+        centred = centred / (rewards[~torch.isnan(rewards)].std() + eps)
     elif scale != "none":
         raise ValueError(f"scale must be group, batch or none, got {scale!r}")
     # the float mean of equal values can differ from them in the last bit, and /(std + eps) would blow that up
-    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(all_equal, torch.zeros_like(centred), centred).reshape(-1)
+    highest = torch.where(valid, grouped, -math.inf).amax(dim=1, keepdim=True)
+    lowest = torch.where(valid, grouped, math.inf).amin(dim=1, keepdim=True)
+    all_equal = highest <= lowest  # also a group with no valid reward (-inf <= inf)
+    return torch.where(all_equal | ~valid, torch.zeros_like(centred), centred).reshape(-1)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -393,11 +399,14 @@ def load_jsonl_prompts(path: str) -> list[dict]:
     return rows
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+# a number: thousands separated by commas only in groups of three ("1,234"; "1,2" is two numbers, not 12), a
+# decimal part, a leading-dot decimal (".5"), or a fraction "a/b"
+_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
+_LATEX_FRACTION = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 
 
 def parse_number(text: str) -> Optional[Fraction]:
-    """'1,234' -> 1234, '7.50' -> 15/2, '$3' -> 3, '1/2' -> 1/2; None when text holds no number."""
+    """'1,234' -> 1234, '7.50' -> 15/2, '$3' -> 3, '1/2' -> 1/2, '.5' -> 1/2; None when text holds no number."""
     match = _NUMBER.search(text.replace("$", ""))
     if match is None:
         return None
@@ -407,13 +416,26 @@ def parse_number(text: str) -> Optional[Fraction]:
         return None
 
 
+def last_boxed(text: str) -> Optional[tuple[str, int]]:
+    """The content of the last \\boxed{...} (nested braces matched, as in \\boxed{\\frac{1}{2}}) and the index just
+    past it; None when there is none or it is never closed."""
+    start = text.rfind("\\boxed{")
+    depth = 0
+    for index in range(start + len("\\boxed"), len(text)) if start >= 0 else ():
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[start + len("\\boxed{"):index], index + 1
+    return None
+
+
 def final_answer(completion: str) -> Optional[str]:
-    """The answer a completion states: after `####`, inside \\boxed{}, or else its last number."""
+    """The answer a completion states: after `####`, inside \\boxed{} (\\frac{a}{b} read as a/b), or else its last
+    number."""
     if "####" in completion:
         return completion.split("####")[-1].strip()
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", completion)
-    if boxed:
-        return boxed[-1]
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return _LATEX_FRACTION.sub(r"\1/\2", boxed[0])
     numbers = _NUMBER.findall(completion.replace("$", ""))
     return numbers[-1] if numbers else None
 
@@ -434,9 +456,11 @@ _CANONICAL_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
 
 def format_reward(completion: str, answer: str) -> float:
     """1.0 when the completion states its answer cleanly: nothing but a number written canonically (no leading
-    zeros: otherwise "07" games it), or a text that ends with `#### n` or with \\boxed{n}."""
+    zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}."""
     text = completion.strip()
-    stated_last = re.search(r"####\s*-?\d[\d,.]*$", text) or re.search(r"\\boxed\{[^{}]+\}$", text)
+    boxed = last_boxed(text)
+    boxed_last = boxed is not None and boxed[1] == len(text) and boxed[0].strip() != ""
+    stated_last = re.search(r"####\s*-?\d[\d,.]*$", text) is not None or boxed_last
     return 1.0 if _CANONICAL_NUMBER.fullmatch(text) or stated_last else 0.0
 
 
@@ -499,10 +523,20 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Dropout makes the training log-probs differ from the sampler's and from the reference's (TRL #3500)."""
+    """Dropout makes the training log-probs differ from the sampler's and from the reference's (TRL #3500), and
+    two training passes differ from each other (the PPO ratio would compare two dropout draws). Zeroes every
+    nn.Dropout (peft's adapter dropout is one) and the rates that attention layers apply themselves
+    (transformers' `self.attention_dropout`, read in train mode), and those in the config."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    for name, value in (list(vars(config).items()) if config is not None else ()):
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, name, 0.0)
 
 
 def encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool, max_prompt_length: int) -> list[list[int]]:
@@ -737,8 +771,9 @@ def apply_lora(model, args: Args):
 
     targets = args.lora_target_modules
     target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=target_modules, task_type="CAUSAL_LM")
+    # no dropout on the adapter either: see disable_dropout
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=target_modules,
+                        task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
 
@@ -756,7 +791,11 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
     per_fn = {}
     for name, fn, weight in reward_fns:
         if name == "prm":
-            values = [float(v) for v in fn(prompts, completions)]
+            try:
+                values = [float(v) for v in fn(prompts, completions)]
+            except Exception as error:  # one call scores the whole batch: every sample's reward failed
+                values = [_reward_failure(name, 0, completions[0], f"{type(error).__name__}: {error} (one call "
+                                          "scores the whole batch: every sample failed)", on_error)] * len(completions)
         else:
             values = []
             for index, (completion, answer) in enumerate(zip(completions, answers)):
@@ -1053,7 +1092,6 @@ def train(args: Args) -> dict:
     # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
     model, tokenizer = load_model_and_tokenizer(args.model, torch.float32 if args.fsdp else dtype,
                                                 args.trust_remote_code)
-    disable_dropout(model)
     reference = None
     if args.lora_r > 0:
         if resume_path:
@@ -1075,6 +1113,7 @@ def train(args: Args) -> dict:
             if unexpected or set(missing) - tied:
                 raise UserError(f"--resume-from {resume_path}: its weights do not fit {args.model} "
                                 f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
+    disable_dropout(model)  # after peft has wrapped the model, so that its adapters' dropout goes too
     if args.fsdp:  # each process keeps 1/N of the weights, moved to its GPU shard by shard
         shard_model(model, device, dtype)
         if reference is not None:
@@ -1132,6 +1171,21 @@ def train(args: Args) -> dict:
         elif not args.fsdp:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        # the flags win over the optimiser settings the checkpoint restored, with the schedule where it had got to
+        restored = {"--learning-rate": scheduler.base_lrs[0],
+                    "--adam-betas": tuple(optimizer.param_groups[0]["betas"]),
+                    "--weight-decay": optimizer.param_groups[0]["weight_decay"]}
+        wanted = {"--learning-rate": args.learning_rate, "--adam-betas": tuple(args.adam_betas),
+                  "--weight-decay": args.weight_decay}
+        for flag in (flag for flag in restored if restored[flag] != wanted[flag]):
+            print0(f"resuming with {flag} {wanted[flag]} (the checkpoint's run had {restored[flag]})", enabled=is_main)
+        scheduler.base_lrs = [args.learning_rate] * len(optimizer.param_groups)
+        for group in optimizer.param_groups:
+            group.update(lr=args.learning_rate * scheduler.lr_lambdas[0](scheduler.last_epoch), betas=args.adam_betas,
+                         weight_decay=args.weight_decay, initial_lr=args.learning_rate)
+        separate = [m for p, m in zip(trainable, master) if m is not p]
+        for m, saved in zip(separate, state.get("master", []), strict=bool(state.get("master"))):
+            m.data.copy_(saved)  # the fp32 masters, not the weights rounded to bf16 (older checkpoints lack them)
         for p, m in zip(trainable, master):
             p.data.copy_(m.data)
         start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
@@ -1174,7 +1228,8 @@ def train(args: Args) -> dict:
         if is_main:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
-                "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state()}, weights)
+                "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(),
+                "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p]}, weights)
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
@@ -1240,21 +1295,19 @@ def train(args: Args) -> dict:
 
             # 3. advantages; a sample whose reward failed (NaN) leaves the loss, and its group is scored without it
             failed = torch.isnan(rewards)
-            group_means = torch.nanmean(rewards.view(-1, args.group_size), dim=1).nan_to_num(0.0)
-            filled = torch.where(failed, group_means.repeat_interleave(args.group_size), rewards)
             if distributed and args.scale_rewards == "batch":  # the batch std is over every process's rewards
                 everyone = [torch.empty(local_batch, device=device) for _ in range(args.world_size)]
-                dist.all_gather(everyone, filled.to(device))
+                dist.all_gather(everyone, rewards.to(device))
                 advantages = group_advantages(torch.cat(everyone), args.group_size, "batch")
                 advantages = advantages[rank * local_batch:(rank + 1) * local_batch]  # [B]
             else:
-                advantages = group_advantages(filled, args.group_size, args.scale_rewards).to(device)  # [B]
+                advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(device)  # [B]
             loss_mask = completion_mask.clone()
             loss_mask[failed.to(device)] = 0
             if args.mask_truncated_completions:
                 loss_mask[truncated] = 0
-            grouped_rewards = filled.view(-1, args.group_size)
-            zero_std_groups = (grouped_rewards == grouped_rewards[:, :1]).all(dim=1).float().mean().item()
+            # a group's advantages are all 0 exactly when its (valid) rewards are all equal
+            zero_std_groups = (advantages.view(-1, args.group_size) == 0).all(dim=1).float().mean().item()
 
             # 4. reference log-probs (no grad); old log-probs come free from the first iteration (see step 5)
             row_slices = [slice(i, min(i + micro_batch, local_batch)) for i in range(0, local_batch, micro_batch)]
@@ -1340,6 +1393,8 @@ def train(args: Args) -> dict:
                                                            else float("inf"))
                 if hasattr(grad_norm, "full_tensor"):  # FSDP: a norm over shards, reduced over processes here
                     grad_norm = grad_norm.full_tensor()
+                if distributed:  # every process must take the same decision below
+                    dist.all_reduce(loss_sum)
                 loss_value = loss_sum.item()
                 if math.isfinite(loss_value) and torch.isfinite(grad_norm):
                     optimizer.step()
@@ -1355,6 +1410,7 @@ def train(args: Args) -> dict:
                     if bad_steps_in_a_row >= args.max_bad_steps:
                         raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
                                            "lower --learning-rate or check the reward scale")
+                applied_lr = optimizer.param_groups[0]["lr"]  # this update's rate (logged), before the schedule moves
                 with warnings.catch_warnings():  # a skipped first update is meant: the schedule counts updates tried
                     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                     scheduler.step()
@@ -1381,14 +1437,14 @@ def train(args: Args) -> dict:
             trained_tokens += int(loss_mask.sum()) * args.num_iterations
             # every figure is a sum over the batch, so that summing over processes gives the whole batch's: token-
             # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
-            # completions, and the sum of squares for the std; the loss (each process's is its share); log-prob gaps
+            # completions, and the sum of squares for the std; log-prob gaps
             gap = (old_logp - sampler_logp).abs() * completion_mask  # [B, T]
             per_completion = {"reward": rewards, **{f"reward_{name}": v for name, v in rewards_per_fn.items()},
                               "accuracy": rewards_per_fn.get("answer", torch.full_like(rewards, float("nan")))}
             sums = {key: value.item() for key, value in stat_sums.items()}
             for name, values in per_completion.items():
                 sums[f"{name}/sum"], sums[f"{name}/count"] = values.nansum().item(), float((~values.isnan()).sum())
-            sums.update({"reward/squares": rewards.double().pow(2).nansum().item(), "loss": loss_value,
+            sums.update({"reward/squares": rewards.double().pow(2).nansum().item(),
                          "reward_errors": float(failed.sum()), "logp_gap/sum": gap.sum().item(),
                          "logp_gap/count": float(n_generated), "completion_length/sum": float(n_generated),
                          "truncated/sum": float(truncated.sum()), "zero_std_groups/sum": zero_std_groups * len(rows),
@@ -1408,7 +1464,7 @@ def train(args: Args) -> dict:
             local = {
                 **{name: ratio(f"{name}/sum", f"{name}/count") for name in per_completion},
                 "reward_std": math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) if count > 1 else 0.0,
-                "loss": sums["loss"],
+                "loss": loss_value,  # already summed over processes (each one's is its share of the mean)
                 **{key: sums[key] / max(sums["tokens"], 1.0) for key in stat_sums if key != "tokens"},
                 "grad_norm": grad_norm.item(),
                 "frac_zero_std_groups": ratio("zero_std_groups/sum", "groups"),
@@ -1420,7 +1476,7 @@ def train(args: Args) -> dict:
                 "logp_gap_mean": ratio("logp_gap/sum", "logp_gap/count"),
             }
             memory_samples.append(memory_mb(device))
-            metrics = {**local, "learning_rate": scheduler.get_last_lr()[0], "step_time_s": step_time,
+            metrics = {**local, "learning_rate": applied_lr, "step_time_s": step_time,
                        "generation_time_s": t_generated - step_start, "reward_time_s": t_rewarded - t_generated,
                        "reference_time_s": t_referenced - t_rewarded, "update_time_s": t_updated - t_referenced,
                        "memory_mb": memory_samples[-1]}

@@ -22,9 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from grpo import (  # noqa: E402
     UserError,
     build_tiny_model,
+    answer_reward,
     build_tiny_tokenizer,
     completion_logprobs,
+    compute_rewards,
+    disable_dropout,
     filter_logits,
+    final_answer,
+    format_reward,
     generate,
     group_advantages,
     grpo_loss,
@@ -628,6 +633,50 @@ def test_zero_variance_groups_exactly_zero_float32_rewards(scale):
     assert not failures, "equal rewards, nonzero advantage: " + "; ".join(failures)
 
 
+def test_group_advantages_leave_out_failed_rewards():
+    """A NaN reward (a failed sample under --reward-errors skip) is left out: its group's mean and std are the other
+    samples' (not shrunk by a filled-in value), its own advantage is 0."""
+    nan = float("nan")
+    # group [1, 0, NaN, 1]: the valid three have mean 2/3 and unbiased std sqrt(1/3)
+    s = math.sqrt(1.0 / 3.0)
+    out = group_advantages(torch.tensor([1.0, 0.0, nan, 1.0]), 4, "group", eps=0.0).tolist()
+    assert out == pytest.approx([(1 / 3) / s, (-2 / 3) / s, 0.0, (1 / 3) / s], rel=1e-6)
+    assert out[0] == pytest.approx(0.57735, rel=1e-4)
+    # batch: the std is over the valid rewards of the whole batch; a group with one valid reward, or none, gets 0
+    rewards = torch.tensor([1.0, 0.0, nan, 1.0, nan, 2.0, nan, nan, nan, nan, nan, nan])
+    batch_std = statistics.stdev([1.0, 0.0, 1.0, 2.0])
+    out = group_advantages(rewards, 4, "batch", eps=0.0).tolist()
+    assert out == pytest.approx([(1 / 3) / batch_std, (-2 / 3) / batch_std, 0.0, (1 / 3) / batch_std] + [0.0] * 8,
+                                rel=1e-6)
+    assert group_advantages(rewards, 4, "none").tolist() == pytest.approx([1 / 3, -2 / 3, 0, 1 / 3] + [0.0] * 8)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_with_failures_match_loops(scale):
+    g = torch.Generator().manual_seed(5)
+    group_size, groups = 5, 6
+    rewards = torch.randn(groups * group_size, generator=g, dtype=torch.float64)
+    rewards[torch.rand(rewards.shape, generator=g) < 0.3] = float("nan")
+    values = rewards.tolist()
+    valid_values = [v for v in values if not math.isnan(v)]
+    batch_std = statistics.stdev(valid_values)
+    expected = []
+    for k in range(groups):
+        group = [v for v in values[k * group_size:(k + 1) * group_size] if not math.isnan(v)]
+        mean = sum(group) / len(group) if group else 0.0
+        std = math.sqrt(sum((v - mean) ** 2 for v in group) / (len(group) - 1)) if len(group) > 1 else 0.0
+        for v in values[k * group_size:(k + 1) * group_size]:
+            if math.isnan(v) or len(group) < 2:
+                expected.append(0.0)
+            elif scale == "group":
+                expected.append((v - mean) / (std + 1e-4))
+            elif scale == "batch":
+                expected.append((v - mean) / (batch_std + 1e-4))
+            else:
+                expected.append(v - mean)
+    assert group_advantages(rewards, group_size, scale).tolist() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
 def test_group_advantages_invalid_scale():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(4), 2, "median")
@@ -1110,3 +1159,82 @@ def test_generate_never_feeds_back_the_last_token():
     ids, mask = left_pad([[1, 5, 6], [1, 7]], tokenizer.pad_token_id, "cpu")
     completion_ids, _, _ = generate(model, ids, mask, max_new_tokens=4, eos_id=-1, pad_id=tokenizer.pad_token_id)
     assert completion_ids.shape == (2, 4) and len(calls) == 1 + 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rewards: the answer a completion states, its format, failures
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("so the sum is 12", "12", 1.0),
+    ("#### 1,234", "1234", 1.0),
+    ("total 1,234,567 apples", "1234567", 1.0),
+    ("The candidates are 1,2", "12", 0.0),  # a list, not 12 written with a thousands separator
+    ("The candidates are 1,2", "2", 1.0),
+    ("#### .5", "0.5", 1.0),
+    ("it costs $7.50", "7.5", 1.0),
+    ("x = -3/4", "-0.75", 1.0),
+    ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # nested braces: not the last number, 2
+    ("so \\boxed{\\frac{1}{2}}", "2", 0.0),
+    ("\\boxed{-\\dfrac{3}{4}}", "-0.75", 1.0),
+    ("\\boxed{7} then 8", "7", 1.0),  # the boxed answer wins over a later number
+    ("#### 5 \\boxed{6}", "5", 1.0),
+    ("no number here", "3", 0.0),
+    ("the answer is blue", "blue", 0.0),  # no number and no #### or \\boxed: nothing is stated
+    ("#### blue", "blue", 1.0),
+])
+def test_answer_reward(completion, answer, expected):
+    assert answer_reward(completion, answer) == expected
+
+
+def test_final_answer_reads_fractions_and_unclosed_boxes():
+    assert final_answer("\\boxed{\\frac{10}{4}}") == "10/4"
+    assert final_answer("\\boxed{42") == "42"  # never closed: the last number
+    assert final_answer("1,2345") == "2345"  # "1,234" followed by a digit is not a thousands group
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("42", 1.0), ("-3.5", 1.0), ("07", 0.0), ("4 2", 0.0), ("so #### 12", 1.0), ("#### 12 ok", 0.0),
+    ("so \\boxed{\\frac{1}{2}}", 1.0), ("so \\boxed{}", 0.0), ("\\boxed{3} more", 0.0),
+])
+def test_format_reward(completion, expected):
+    assert format_reward(completion, "") == expected
+
+
+def test_a_failing_batched_reward_is_reported_or_skipped():
+    """The PRM reward scores the whole batch in one call: an exception there follows --reward-errors too."""
+    def broken_prm(prompts, completions):
+        raise RuntimeError("PRM out of memory")
+
+    fns = [("answer", answer_reward, 1.0), ("prm", broken_prm, 0.5)]
+    with pytest.raises(UserError, match="PRM out of memory.*--reward-errors skip"):
+        compute_rewards(["p", "p"], ["1", "2"], ["1", "1"], fns, "raise")
+    totals, per_fn = compute_rewards(["p", "p"], ["1", "2"], ["1", "1"], fns, "skip")
+    assert torch.isnan(totals).all() and torch.isnan(per_fn["prm"]).all()
+    assert per_fn["answer"].tolist() == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# disable_dropout
+
+
+def test_disable_dropout_covers_attention_and_adapter_dropout():
+    """Attention layers apply their config's attention_dropout themselves (no nn.Dropout module) and peft's
+    adapter dropout is an nn.Dropout added after the model was built: with both on, two training-mode passes
+    differ; after disable_dropout they are identical."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, attention_dropout=0.5)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_dropout=0.5, target_modules=["q_proj"]))
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero, which would hide the adapter's dropout
+            torch.nn.init.normal_(parameter)
+    model.train()
+    ids = torch.randint(0, 50, (2, 12))
+    assert (model(ids).logits - model(ids).logits).abs().max() > 1e-3
+    disable_dropout(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)
+    assert model.config.attention_dropout == 0.0

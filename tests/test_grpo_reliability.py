@@ -175,6 +175,51 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_bf16_resume_is_exact_and_resume_flags_win(tmp_path):
+    """bf16 weights are the fp32 masters rounded: the checkpoint keeps the masters, so a bf16 run resumed from it
+    ends with the uninterrupted run's weights, bit for bit (rebuilt from the rounded weights, 15 of 20 tensors
+    differed). --learning-rate and --weight-decay given at resume win over the optimiser state the checkpoint
+    restores, and metrics.jsonl logs the rate each update used (not the next one's)."""
+    from safetensors.torch import load_file
+
+    flags = [*QUICK, "--total-steps", "4", "--dtype", "bfloat16", "--learning-rate", "1e-2", "--warmup-steps", "2",
+             "--save-every", "2", "--kl-coef", "0.05"]
+    straight = tmp_path / "straight"
+    run_grpo(straight, *flags)
+    # 2 warm-up updates, then constant: the first update uses half the rate
+    assert [row["learning_rate"] for row in read_metrics(straight)] == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2])
+    final = load_file(straight / "final" / "model.safetensors")
+
+    resumed = tmp_path / "resumed"
+    run_grpo(resumed, *flags, "--resume-from", str(straight / "checkpoint-2"))
+    again = load_file(resumed / "final" / "model.safetensors")
+    assert all(again[name].dtype == torch.bfloat16 and torch.equal(again[name], final[name]) for name in final)
+
+    lowered = tmp_path / "lowered"
+    process = run_grpo(lowered, *flags, "--learning-rate", "1e-3", "--weight-decay", "0.5",
+                       "--resume-from", str(straight / "checkpoint-2"))
+    assert "resuming with --learning-rate 0.001 (the checkpoint's run had 0.01)" in process.stdout
+    assert "resuming with --weight-decay 0.5" in process.stdout
+    assert [row["learning_rate"] for row in read_metrics(lowered)] == pytest.approx([1e-3, 1e-3])
+    state = torch.load(lowered / "checkpoint-4" / "trainer_state.pt", weights_only=True)
+    assert state["scheduler"]["base_lrs"] == [1e-3]
+    assert all(group["weight_decay"] == 0.5 for group in state["optimizer"]["param_groups"])
+    other = load_file(lowered / "final" / "model.safetensors")
+    assert any(not torch.equal(other[name], final[name]) for name in final)
+
+
+def test_a_model_configured_with_dropout_trains_without_it(tmp_path):
+    """A config's attention_dropout is applied by the attention layers themselves, in train mode: left on, the
+    training pass's log-probs of the sampled tokens would differ from the sampler's (eval mode) by a dropout draw
+    (logp_gap_max 0.3-0.6 on this model); off, they agree to rounding."""
+    model_dir = save_tiny(tmp_path / "model")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    out = tmp_path / "out"
+    run_grpo(out, *QUICK, "--total-steps", "2", "--model", str(model_dir), "--lora-r", "4", "--no-chat-template")
+    assert all(row["logp_gap_max"] < 1e-4 for row in read_metrics(out))
+
+
 def test_keep_checkpoints_keeps_the_newest(tmp_path):
     out = tmp_path / "out"
     run_grpo(out, *QUICK, "--total-steps", "4", "--save-every", "1", "--keep-checkpoints", "2")
