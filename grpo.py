@@ -591,9 +591,10 @@ def prompt_generators(seed: int, step: int, prompt_indices: list[int], device) -
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int, pad_id: int, temperature=1.0,
+def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pad_id: int, temperature=1.0,
              top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1, stop_together=False):
-    """Complete left-padded prompts with a KV cache. prompt_ids, prompt_mask [B, P].
+    """Complete left-padded prompts with a KV cache. prompt_ids, prompt_mask [B, P]; eos_ids: the id, or the
+    list of ids (see stop_token_ids), any of which ends a completion.
 
     With `generators` (one per group of B / len(generators) consecutive rows) tokens are sampled from
     softmax(logits / temperature), restricted by top-k / top-p, with the Gumbel-max trick:
@@ -609,6 +610,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
 
     batch = prompt_ids.shape[0]
     greedy = generators is None
+    eos_ids = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), device=prompt_ids.device)
     position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
     attention_mask = prompt_mask
     cache = DynamicCache()
@@ -634,7 +636,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
         logps.append(torch.log_softmax(scaled, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1))
-        finished |= token == eos_id
+        finished |= torch.isin(token, eos_ids)
         all_finished = finished.all()
         if stop_together:
             all_finished = all_finished.float()
@@ -646,19 +648,27 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_id: int
                        cache=cache, use_cache=True).logits[:, -1]
         next_position = next_position + 1
     completion_ids = torch.stack(tokens, dim=1)  # [B, T]
-    is_eos = completion_ids == eos_id
+    is_eos = torch.isin(completion_ids, eos_ids)
     # 1 up to and including the first EOS: positions whose count of earlier EOS tokens is 0
     completion_mask = ((is_eos.cumsum(1) - is_eos.long()) == 0).long()
     return completion_ids, completion_mask, torch.stack(logps, dim=1)
 
 
-def decode_completions(tokenizer, completion_ids, completion_mask) -> list[str]:
-    """Each completion's text up to (not including) its EOS, special tokens kept."""
-    ends_with_eos = completion_ids.gather(1, (completion_mask.sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1) \
-        == tokenizer.eos_token_id
-    lengths = (completion_mask.sum(1) - ends_with_eos.long()).tolist()
+def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids: list[int]) -> list[str]:
+    """Each completion's text up to (not including) the EOS that ended it, other special tokens kept."""
+    last = completion_ids.gather(1, (completion_mask.sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)  # [B]
+    lengths = (completion_mask.sum(1) - torch.isin(last, torch.tensor(eos_ids, device=last.device)).long()).tolist()
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)],
                                   skip_special_tokens=False)
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The ids that end a completion, as model.generate stops: the tokenizer's EOS and every EOS of the model's
+    generation config (chat models list several: Llama 3's <|eot_id|> and <|end_of_text|>, Qwen2.5's <|im_end|>
+    and <|endoftext|>), which a chat template's turn can end with."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [configured] if isinstance(configured, int) else list(configured or [])
+    return sorted({tokenizer.eos_token_id, *configured})
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
@@ -918,7 +928,7 @@ def step_flops(body: int, head: int, *, unique_prompt_tokens: int, reference_pro
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows, args: Args, device) -> tuple[float, list[str]]:
+def evaluate(model, tokenizer, rows, args: Args, device, eos_ids: list[int]) -> tuple[float, list[str]]:
     """Greedy accuracy (answer reward == 1) on held-out rows, and the first few completions to look at."""
     if not rows:
         return float("nan"), []
@@ -930,9 +940,9 @@ def evaluate(model, tokenizer, rows, args: Args, device) -> tuple[float, list[st
         ids, mask = left_pad(encode_prompts(tokenizer, [r["prompt"] for r in batch], args.chat_template,
                                             args.max_prompt_length), tokenizer.pad_token_id, device)
         completion_ids, completion_mask, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
-                                                      eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                                      eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
                                                       stop_together=args.fsdp)
-        texts = decode_completions(tokenizer, completion_ids, completion_mask)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
         correct += sum(answer_reward(t, r["answer"]) for t, r in zip(texts, batch))
         samples += [f"{r['prompt']!r} -> {t!r}" for t, r in zip(texts, batch)][:3 - len(samples)]
     model.train(was_training)
@@ -1092,6 +1102,7 @@ def train(args: Args) -> dict:
     # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
     model, tokenizer = load_model_and_tokenizer(args.model, torch.float32 if args.fsdp else dtype,
                                                 args.trust_remote_code)
+    eos_ids = stop_token_ids(model, tokenizer)
     reference = None
     if args.lora_r > 0:
         if resume_path:
@@ -1239,7 +1250,7 @@ def train(args: Args) -> dict:
         evaluates the same rows, since every forward pass is a collective."""
         if not is_main and not args.fsdp:
             return float("nan")
-        accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device)
+        accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device, eos_ids)
         if not is_main:
             return float("nan")
         print0(f"eval accuracy at step {step}: {accuracy:.3f}" + (f"  (e.g. {'; '.join(samples)})" if samples else ""))
@@ -1273,19 +1284,19 @@ def train(args: Args) -> dict:
             prompt_mask = prompt_mask.repeat_interleave(args.group_size, dim=0)
             model.eval()
             completion_ids, completion_mask, sampler_logp = generate(
-                model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_token_id,
+                model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids,
                 pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 generators=prompt_generators(args.seed, step, prompt_indices, device), group_size=args.group_size,
                 stop_together=args.fsdp)
             model.train()
-            truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & (
-                completion_ids[:, -1] != tokenizer.eos_token_id)  # [B]: no EOS within max_new_tokens
+            truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & ~torch.isin(
+                completion_ids[:, -1], torch.tensor(eos_ids, device=device))  # [B]: no EOS within max_new_tokens
             t_generated = sync_clock()
             timings["generation"] += t_generated - step_start
 
             # 2. rewards, on the text up to EOS; other special tokens stay in it, so that a policy cannot hide junk in
             # tokens that decoding would drop
-            completions = decode_completions(tokenizer, completion_ids, completion_mask)
+            completions = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
             answers = [r["answer"] for r in rows for _ in range(args.group_size)]
             prompt_texts = [r["prompt"] for r in rows for _ in range(args.group_size)]
             rewards, rewards_per_fn = compute_rewards(prompt_texts, completions, answers, reward_fns,

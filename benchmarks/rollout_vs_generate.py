@@ -55,7 +55,7 @@ def main() -> None:
 
             def ours():
                 generators = grpo.prompt_generators(0, 0, list(range(args.prompts)), "cpu")
-                out, _, _ = grpo.generate(model, repeated, repeated_mask, max_new_tokens=args.new_tokens, eos_id=-1,
+                out, _, _ = grpo.generate(model, repeated, repeated_mask, max_new_tokens=args.new_tokens, eos_ids=-1,
                                           pad_id=0, generators=generators, group_size=args.group)
                 assert out.shape[1] == args.new_tokens
 

@@ -26,6 +26,7 @@ from grpo import (  # noqa: E402
     build_tiny_tokenizer,
     completion_logprobs,
     compute_rewards,
+    decode_completions,
     disable_dropout,
     filter_logits,
     final_answer,
@@ -37,6 +38,7 @@ from grpo import (  # noqa: E402
     left_pad,
     prompt_sharing,
     step_flops,
+    stop_token_ids,
     token_logprobs,
     weight_counts,
 )
@@ -849,12 +851,12 @@ def naive_expected_mask(tokens: list, eos_id: int) -> list:
     return mask
 
 
-def sample(tokenizer, model, prompt_lists, seed, greedy=False, **kwargs):
+def sample(tokenizer, model, prompt_lists, seed, greedy=False, eos_ids=None, **kwargs):
     """generate() on left-padded prompts: greedy, or sampled with one seeded stream per row."""
     ids, mask = left_pad(prompt_lists, tokenizer.pad_token_id, "cpu")
     generators = None if greedy else [torch.Generator().manual_seed(seed * 1000 + row) for row in range(len(ids))]
-    out = generate(model, ids, mask, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                   generators=generators, **kwargs)
+    out = generate(model, ids, mask, eos_ids=tokenizer.eos_token_id if eos_ids is None else eos_ids,
+                   pad_id=tokenizer.pad_token_id, generators=generators, **kwargs)
     return ids, mask, out
 
 
@@ -1005,7 +1007,7 @@ def test_gumbel_sampling_matches_the_softmax():
     temperature, rows = 0.8, 6000
     ids = torch.zeros(rows, 1, dtype=torch.long)
     generators = [torch.Generator().manual_seed(i) for i in range(rows)]
-    tokens, _, logp = generate(FixedLogits(logits), ids, torch.ones_like(ids), max_new_tokens=1, eos_id=99,
+    tokens, _, logp = generate(FixedLogits(logits), ids, torch.ones_like(ids), max_new_tokens=1, eos_ids=99,
                                pad_id=98, temperature=temperature, generators=generators)
     expected = torch.softmax(logits / temperature, -1)
     counts = torch.bincount(tokens[:, 0], minlength=5).double() / rows
@@ -1026,7 +1028,7 @@ def test_prompt_streams_do_not_depend_on_the_split(tiny):
     def rollout(indices):
         rows = [prompts[i] for i in indices for _ in range(group)]
         ids, mask = left_pad(rows, tokenizer.pad_token_id, "cpu")
-        return generate(model, ids, mask, max_new_tokens=5, eos_id=tokenizer.eos_token_id,
+        return generate(model, ids, mask, max_new_tokens=5, eos_ids=tokenizer.eos_token_id,
                         pad_id=tokenizer.pad_token_id, temperature=1.0,
                         generators=prompt_generators(7, 3, indices, "cpu"))[0]
 
@@ -1038,7 +1040,7 @@ def test_prompt_streams_do_not_depend_on_the_split(tiny):
             want = whole[index * group:(index + 1) * group, :got.shape[1]]
             assert torch.equal(got, want)
     assert not torch.equal(rollout([0]), generate(model, *left_pad([prompts[0]] * group, tokenizer.pad_token_id, "cpu"),
-                                                  max_new_tokens=5, eos_id=tokenizer.eos_token_id,
+                                                  max_new_tokens=5, eos_ids=tokenizer.eos_token_id,
                                                   pad_id=tokenizer.pad_token_id,
                                                   generators=prompt_generators(7, 4, [0], "cpu"))[0])
 
@@ -1051,7 +1053,7 @@ def test_shared_prompt_prefill_gives_the_same_rollouts(tiny):
     group = 3
     rows = [prompt for prompt in prompt_lists for _ in range(group)]  # groups of identical, left-padded prompts
     ids, mask = left_pad(rows, tokenizer.pad_token_id, "cpu")
-    runs = [generate(models["sharp"], ids, mask, max_new_tokens=6, eos_id=tokenizer.eos_token_id,
+    runs = [generate(models["sharp"], ids, mask, max_new_tokens=6, eos_ids=tokenizer.eos_token_id,
                      pad_id=tokenizer.pad_token_id, temperature=0.9,
                      generators=prompt_generators(1, 0, list(range(len(prompt_lists))), "cpu"), group_size=g)
             for g in (1, group)]
@@ -1149,6 +1151,38 @@ def test_shared_prompts_refuse_a_model_that_drops_the_cache(tiny):
         completion_logprobs(model, ids, mask, completion, torch.ones_like(completion), 1.0, prompt_of_row=[0, 0])
 
 
+def test_any_of_several_eos_ids_ends_a_completion(tiny):
+    """Chat models list several EOS ids in their generation config (the end of a turn and the end of text): any of
+    them ends a completion, is kept in its mask (trained on) and left out of its text, as with the tokenizer's."""
+    tokenizer, models, prompt_lists = tiny
+    end_of_turn = tokenizer.convert_tokens_to_ids("7")  # plays a chat model's second EOS
+    model = copy.deepcopy(models["plain"])
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn]
+    eos_ids = stop_token_ids(model, tokenizer)
+    assert eos_ids == sorted([tokenizer.eos_token_id, end_of_turn])
+    model.generation_config.eos_token_id = None
+    assert stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id]
+
+    boosted = EosBoost(EosBoost(models["plain"], end_of_turn, 1.5), tokenizer.eos_token_id, 0.5)
+    _, _, (comp, comp_mask, _) = sample(tokenizer, boosted, prompt_lists * 4, seed=1, max_new_tokens=8,
+                                        eos_ids=eos_ids)
+    comp = comp.tolist()
+    ended_by = [next((t for t in row if t in eos_ids), None) for row in comp]
+    assert end_of_turn in ended_by and tokenizer.eos_token_id in ended_by  # both kinds of ending happen
+    for row, mask in zip(comp, comp_mask.tolist()):
+        expected, seen = [], False
+        for token in row:
+            expected.append(0 if seen else 1)
+            seen = seen or token in eos_ids
+        assert mask == expected
+    texts = decode_completions(tokenizer, torch.tensor(comp), comp_mask, eos_ids)
+    for row, mask, text in zip(comp, comp_mask.tolist(), texts):
+        kept = row[:sum(mask)]
+        if kept[-1] in eos_ids:
+            kept = kept[:-1]
+        assert text == tokenizer.decode(kept, skip_special_tokens=False)
+
+
 def test_generate_never_feeds_back_the_last_token():
     """T new tokens need the prefill and T - 1 decoding passes: the last sampled token is never fed back."""
     torch.manual_seed(0)
@@ -1157,7 +1191,7 @@ def test_generate_never_feeds_back_the_last_token():
     calls = []
     model.register_forward_hook(lambda module, args, output: calls.append(1))
     ids, mask = left_pad([[1, 5, 6], [1, 7]], tokenizer.pad_token_id, "cpu")
-    completion_ids, _, _ = generate(model, ids, mask, max_new_tokens=4, eos_id=-1, pad_id=tokenizer.pad_token_id)
+    completion_ids, _, _ = generate(model, ids, mask, max_new_tokens=4, eos_ids=-1, pad_id=tokenizer.pad_token_id)
     assert completion_ids.shape == (2, 4) and len(calls) == 1 + 3
 
 
