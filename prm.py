@@ -345,7 +345,9 @@ def builtin_task(seed: int, num_val: int, num_eval: int, num_train: int = 10000)
 
 
 def parse_row(line: str, need_labels: bool) -> dict:
-    """One JSONL row, checked: raises ValueError saying what is wrong."""
+    """One JSONL row, checked: raises ValueError saying what is wrong. Without need_labels (rows to score) the
+    row comes back as given, every field kept and "labels" left unchecked (e.g. Math-Shepherd's "+"/"-"), so that
+    the scores file holds each input row unchanged plus its scores."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
@@ -357,13 +359,13 @@ def parse_row(line: str, need_labels: bool) -> dict:
         raise ValueError('needs a string field "prompt"')
     if not isinstance(steps, list) or not all(isinstance(step, str) for step in steps):
         raise ValueError('needs a field "completions", a list of strings (the steps)')
-    if labels is None and not need_labels:
-        return {"prompt": prompt, "completions": steps}
+    if not need_labels:
+        return row
     if not isinstance(labels, list):
         raise ValueError('needs a field "labels", a list of one bool or number in [0, 1] per step')
     if len(labels) != len(steps):
         raise ValueError(f"{len(labels)} labels for {len(steps)} steps: there must be one label per step")
-    if need_labels and not steps:
+    if not steps:
         raise ValueError("no steps to learn from")
     for k, label in enumerate(labels):
         if isinstance(label, bool):
@@ -556,6 +558,11 @@ def build_tiny_backbone(tokenizer):
     return LlamaModel(config)
 
 
+# the files of a tokenizer saved with save_pretrained (fast or slow), one of which a model directory needs
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool):
     """`tiny` is built here; anything else goes through AutoModel (the transformer without its LM head, so no
     vocabulary-sized logits are ever computed) and AutoTokenizer."""
@@ -570,10 +577,16 @@ def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_rem
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         backbone = AutoModel.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except OSError as error:
-        raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
-                        f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
-    except ValueError as error:  # e.g. a config of an architecture this transformers version does not know
+    except (OSError, ValueError) as error:
+        # transformers' error for a directory without a tokenizer spans lines and its first one breaks off
+        if os.path.isdir(name_or_path) and not any(os.path.isfile(os.path.join(name_or_path, name))
+                                                   for name in TOKENIZER_FILES):
+            raise UserError(f"could not load model {name_or_path!r}: the directory has no tokenizer; save the "
+                            f"model's tokenizer into it with tokenizer.save_pretrained({name_or_path!r})") from None
+        if isinstance(error, OSError):
+            raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
+                            f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
+        # e.g. a config of an architecture this transformers version does not know
         raise UserError(f"could not load model {name_or_path!r}: {str(error).strip().splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:  # pads are never attended to (right padding, masked): any id will do
         notify = os.environ.get("RANK", "0") == "0"  # one note per run, not one per process
@@ -636,13 +649,20 @@ def use_packing(prm: ProcessRewardModel) -> bool:
 
 def apply_lora(backbone, args: Args):
     """LoRA adapters on the backbone only: the head stays outside peft and is trained in full."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, NoMatchingPeftModuleError, get_peft_model
 
     targets = args.lora_target_modules
     target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         target_modules=target_modules, task_type="FEATURE_EXTRACTION")
-    return get_peft_model(backbone, config)
+    try:
+        return get_peft_model(backbone, config)
+    except NoMatchingPeftModuleError:
+        # the names to choose from: LoRA adapts linear layers (GPT-2's Conv1D is one, transposed)
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in backbone.named_modules()
+                         if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"})
+        raise UserError(f"--lora-target-modules {targets}: no module of {type(backbone).__name__} has that name; "
+                        f"its linear modules include {', '.join(linear[:8]) or 'none'} (or use all-linear)") from None
 
 
 # FSDP2 also runs on CPU over gloo, which the tests use to check the sharded path; users get a clear error there
@@ -949,6 +969,44 @@ def data_fingerprint(*row_lists: list[dict]) -> str:
     return hashlib.sha256(json.dumps(row_lists, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """--device as a torch.device. auto = this process's GPU when there is one, else the CPU; a CUDA device without
+    an index is this process's GPU too (cuda:LOCAL_RANK under torchrun), since torch.cuda.set_device needs one."""
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank if device.index is None else device.index)
+        if device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: there is no {device} here ({torch.cuda.device_count()} CUDA devices "
+                            "visible); use --device cpu or auto")
+    return device
+
+
+def file_in_the_way(path: str) -> Optional[str]:
+    """The existing file (not a directory) at path or at one of its parent directories, if any: a directory
+    cannot be created there."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return None if os.path.isdir(path) else path
+
+
+def check_scores_output(path: str) -> None:
+    """--scores-output must name a file that can be written (its directory is created if missing): checked before
+    any training or scoring, which would otherwise fail only at the end."""
+    if os.path.isdir(path):
+        raise UserError(f"--scores-output {path} is a directory; give a file path, e.g. "
+                        f"{os.path.join(path, 'scores.jsonl')}")
+    blocker = file_in_the_way(os.path.dirname(os.path.abspath(path)))
+    if blocker:
+        raise UserError(f"--scores-output {path}: its directory cannot be created, {blocker} is a file; give "
+                        "another path")
+
+
 def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     """Flags that contradict each other stop the run before anything is loaded or written."""
     def check(condition: bool, message: str) -> None:
@@ -987,6 +1045,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           "torchrun --nproc_per_node N (N = 1 runs the same code unsharded), or drop the flag")
     check(args.dtype != "bfloat16" or device.type != "cuda" or torch.cuda.is_bf16_supported(),
           "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
+    if args.scores_output is not None:
+        check_scores_output(args.scores_output)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1068,7 +1128,7 @@ def evaluate_prm(prm, val_examples: list[dict], eval_examples: list[dict], batch
 
 
 def write_scores(path: str, rows: list[dict], scores: list[list[float]]) -> None:
-    """The input rows with a "scores" list each (one per kept step), written atomically."""
+    """The input rows, unchanged, with a "scores" list added to each (one per kept step), written atomically."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         for row, row_scores in zip(rows, scores, strict=True):
@@ -1080,7 +1140,8 @@ def score_file(args: Args) -> dict:
     """--prm-path mode: score every row of --score-data-path with a saved PRM and write --scores-output."""
     if args.score_data_path is None or args.scores_output is None:
         raise UserError("--prm-path scores a file: give --score-data-path rows.jsonl and --scores-output out.jsonl")
-    device = None if args.device == "auto" else args.device
+    check_scores_output(args.scores_output)
+    device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     start = time.perf_counter()
     rows, skipped = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
@@ -1101,10 +1162,7 @@ def train(args: Args) -> dict:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.fsdp and "WORLD_SIZE" in os.environ)
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.device == "auto":
-        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    device = resolve_device(args.device, local_rank)
     validate_args(args, args.world_size, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -1129,8 +1187,12 @@ def train(args: Args) -> dict:
     resume_dir = (os.path.dirname(os.path.abspath(args.resume_from.rstrip("/")))
                   if args.resume_from not in (None, "latest") else None)
     output_dir = args.output_dir or resume_dir or os.path.join("runs", args.run_name)
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+    blocker = file_in_the_way(output_dir)
+    if blocker == os.path.abspath(output_dir):
         raise UserError(f"--output-dir {output_dir} exists and is not a directory")
+    if blocker:
+        raise UserError(f"--output-dir {output_dir} cannot be created: {blocker} is a file; choose another "
+                        "--output-dir")
     resume_path = resolve_resume(args, output_dir)
     resuming_here = resume_path is not None and os.path.realpath(os.path.dirname(
         os.path.abspath(resume_path.rstrip("/")))) == os.path.realpath(output_dir)
@@ -1220,8 +1282,15 @@ def train(args: Args) -> dict:
     if resume_path:
         state = load_trainer_state(resume_path)
         if state.get("data_fingerprint") != fingerprint:
-            raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's (same "
-                            "--data-path and --num-val-rows, but the file changed?); resume on the same data")
+            # the built-in training rows are those left after the validation and eval rows: both counts shape them
+            cause = ("same --data-path and --num-val-rows, but the file changed?" if args.data_path else
+                     "with the built-in data they follow --num-val-rows and --num-eval-rows: these must match")
+            raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's ({cause}); "
+                            "resume on the same data")
+        saved_dtype, compute_dtype = state.get("dtype"), str(dtype).removeprefix("torch.")
+        if saved_dtype is not None and saved_dtype != compute_dtype:  # (older checkpoints do not record it)
+            raise UserError(f"--resume-from {resume_path}: the checkpoint's run computed in {saved_dtype}, this one "
+                            f"would in {compute_dtype} (--dtype {args.dtype}); resume with --dtype {saved_dtype}")
         try:
             if args.fsdp and state["optimizer"] is not None:  # saved whole (keyed by name): each keeps its shard
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -1241,6 +1310,14 @@ def train(args: Args) -> dict:
         except (KeyError, ValueError, RuntimeError) as error:  # another format, or another set of parameters
             raise UserError(f"--resume-from {resume_path}: its trainer_state.pt does not fit this run "
                             f"({type(error).__name__}: {str(error).strip().splitlines()[0]})") from None
+        # nothing left to train: the final model and summary stay as they are (without final/, the run was stopped
+        # by a signal in its last step, and goes on to the final evaluation and model)
+        if start_step >= args.total_steps and os.path.isdir(os.path.join(output_dir, "final")):
+            print0(f"{resume_path} is at step {start_step}: the run already reached --total-steps {args.total_steps}; "
+                   "nothing to do (raise --total-steps or --epochs to train further)", enabled=is_main)
+            if distributed:
+                dist.destroy_process_group()
+            return {"steps": start_step, "resumed_from_step": start_step}
         for p, m in zip(trainable, master):
             if m is not p:
                 p.data.copy_(m.data)
@@ -1276,6 +1353,9 @@ def train(args: Args) -> dict:
                 kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
+        for later in checkpoint_steps(output_dir) if resume_path else []:  # and the checkpoints: that branch is gone,
+            if later > start_step:  # and `--resume-from latest` must not pick them up
+                shutil.rmtree(os.path.join(output_dir, f"checkpoint-{later}"))
     console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "eval_auroc",
                "eval_first_error_f1": "eval_fe_f1", "step_time_s": "dt"}
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
@@ -1326,6 +1406,7 @@ def train(args: Args) -> dict:
                 "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p],
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_states,
                 "eval_start": eval_start, "eval_last": eval_metrics, "data_fingerprint": fingerprint,
+                "dtype": str(dtype).removeprefix("torch."),  # checked on resume: the masters exist only for bf16
                 # informational: where the next batch starts (rebuilt from the step number on resume)
                 "data_position": {"epoch": step * args.batch_size // len(train_examples),
                                   "row_in_epoch": step * args.batch_size % len(train_examples)}})

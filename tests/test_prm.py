@@ -313,7 +313,10 @@ def test_bad_rows_are_named(tmp_path, line, problem):
 
 
 def test_scoring_rows_need_no_labels(tmp_path):
-    rows = [{"prompt": "p", "completions": []}, {"prompt": "q", "completions": ["a"]}]
+    # and come back as given: other fields kept, labels of any kind unchecked (Math-Shepherd's "+"/"-")
+    rows = [{"prompt": "p", "completions": []}, {"prompt": "q", "completions": ["a"]},
+            {"id": 7, "prompt": "r", "completions": ["a", "b"], "labels": ["+", "-"], "meta": {"source": "ms"}},
+            {"prompt": "s", "completions": ["a"], "labels": [True, 2]}]
     path = write_rows(tmp_path / "rows.jsonl", rows)
     loaded, _ = prm.load_jsonl_rows(str(path), need_labels=False)
     assert loaded == rows
@@ -457,6 +460,10 @@ def test_save_reload_and_score_command_give_the_training_scores(tmp_path):
     rows = builtin_rows(6) + [{"prompt": "start 1" * 200 + "\n", "completions": ["1+1=2"]},  # prompt too long
                               {"prompt": "start 3\n", "completions": []},
                               {"prompt": "start 3\n", "completions": ["3+1=4", "4+4=8", "8-1=7"]}]
+    # every field of an input row is written back as it was: ids, metadata, labels of any kind
+    rows = [{"id": f"row-{k}", **row, "meta": {"k": [k]}} for k, row in enumerate(rows)]
+    rows[0]["labels"] = [True] * len(rows[0]["completions"])
+    rows[-1]["labels"] = ["+", "+", "-"]  # Math-Shepherd's labels: not needed to score, so not checked
     data = write_rows(tmp_path / "rows.jsonl", rows)
     out = tmp_path / "run"
     run_prm("--output-dir", str(out), *QUICK, "--max-length", "1000", "--score-data-path", str(data))
@@ -466,7 +473,9 @@ def test_save_reload_and_score_command_give_the_training_scores(tmp_path):
                       str(scored_file))
     assert "scored" in process.stdout
     reloaded = read_jsonl(scored_file)
-    assert [r["prompt"] for r in reloaded] == [r["prompt"] for r in rows]
+    for written in (trained, reloaded):  # compared as JSON text: true must not come back as 1.0
+        assert [json.dumps({k: v for k, v in r.items() if k != "scores"}) for r in written] == [
+            json.dumps(row) for row in rows]
     assert [len(r["scores"]) for r in reloaded] == [len(r["completions"]) for r in rows[:6]] + [0, 0, 3]
     for a, b in zip(trained, reloaded, strict=True):
         np.testing.assert_allclose(a["scores"], b["scores"], rtol=0, atol=1e-6)

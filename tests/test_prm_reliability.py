@@ -96,6 +96,9 @@ BAD_INPUTS = {
     # model
     "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "no-model", "could not load model"),
     "model path without a model": (lambda tmp: ["--model", str(tmp)], "could not load model", "no config.json"),
+    "lora target matching nothing": (lambda tmp: ["--lora-r", "4", "--lora-target-modules", "qkv,c_attn"],
+                                     "--lora-target-modules qkv,c_attn: no module of LlamaModel has that name",
+                                     "its linear modules include down_proj, gate_proj, k_proj, o_proj, q_proj"),
     # flags that contradict each other
     "negative lora rank": (lambda tmp: ["--lora-r", "-1"], "--lora-r", "must be >= 0"),
     "lora dropout 1": (lambda tmp: ["--lora-r", "4", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
@@ -110,6 +113,13 @@ BAD_INPUTS = {
     "zero max bad steps": (lambda tmp: ["--max-bad-steps", "0"], "--max-bad-steps", "at least 1"),
     "keep no checkpoints": (lambda tmp: ["--keep-checkpoints", "0"], "--keep-checkpoints", "at least 1"),
     "fsdp on CPU": (lambda tmp: ["--fsdp"], "--fsdp", "needs CUDA"),
+    "unknown device": (lambda tmp: ["--device", "foo"], "--device 'foo'", "is not a device"),
+    # where the scores go: found out before training, not after it
+    "scores output is a directory": (lambda tmp: ["--score-data-path", rows_file(tmp, GOOD), "--scores-output",
+                                                  str(tmp)], "--scores-output", "is a directory"),
+    "scores output below a file": (lambda tmp: ["--score-data-path", rows_file(tmp, GOOD), "--scores-output",
+                                                rows_file(tmp, GOOD) + "/scores.jsonl"], "--scores-output",
+                                   "its directory cannot be created, "),
     # resuming
     "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "--resume-from", "not a checkpoint written by prm.py"),
     "resume latest, no checkpoint": (lambda tmp: ["--resume-from", "latest"], "--resume-from latest",
@@ -141,6 +151,12 @@ def test_scoring_mode_bad_inputs(tmp_path, capsys):
     code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", str(tmp_path / "no.jsonl"),
                           "--scores-output", str(scores)], capsys)
     assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(tmp_path)],
+                         capsys)
+    assert code == 2 and f"--scores-output {tmp_path} is a directory" in err and err.count("\n") == 1
+    code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(scores),
+                          "--device", "foo"], capsys)
+    assert code == 2 and err == "error: --device 'foo' is not a device; use auto, cpu, cuda or cuda:N\n"
     assert not scores.exists()
 
 
@@ -165,7 +181,42 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
     out.write_text("not a directory")
     code, err = run_main(["--output-dir", str(out), *QUICK], capsys)
     assert code == 2 and err == f"error: --output-dir {out} exists and is not a directory\n"
+    # and a directory that would have to be made below a file, refused before any training
+    code, err = run_main(["--output-dir", str(out / "run"), *QUICK], capsys)
+    assert code == 2 and err == (f"error: --output-dir {out / 'run'} cannot be created: {out} is a file; choose "
+                                 "another --output-dir\n")
     assert out.read_text() == "not a directory"
+
+
+def test_a_model_directory_without_a_tokenizer_is_one_complete_line(tmp_path, capsys):
+    model_dir = str(tmp_path / "no-tokenizer")
+    prm.build_tiny_backbone(prm.build_tiny_tokenizer()).save_pretrained(model_dir)
+    capsys.readouterr()  # the save's progress bar
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--model", model_dir], capsys)
+    assert code == 2 and err == (f"error: could not load model {model_dir!r}: the directory has no tokenizer; save the "
+                                 f"model's tokenizer into it with tokenizer.save_pretrained({model_dir!r})\n")
+    assert not out.exists()
+
+
+def test_a_cuda_device_without_an_index_is_the_local_rank_and_a_bad_device_is_refused(tmp_path, capsys,
+                                                                                       monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "device_count", lambda: 4)  # the mapping alone, on any machine
+        assert prm.resolve_device("cuda", local_rank=0) == torch.device("cuda:0")
+        assert prm.resolve_device("cuda", local_rank=2) == torch.device("cuda:2")  # torchrun's LOCAL_RANK 2
+        assert prm.resolve_device("cuda:1", local_rank=2) == torch.device("cuda:1")
+        assert prm.resolve_device("cpu", local_rank=2) == torch.device("cpu")
+        with pytest.raises(prm.UserError, match=r"--device cuda:4: there is no cuda:4 here \(4 CUDA devices"):
+            prm.resolve_device("cuda:4", local_rank=0)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--device", "foo"], capsys)
+    assert code == 2 and err == "error: --device 'foo' is not a device; use auto, cpu, cuda or cuda:N\n"
+    if not torch.cuda.is_available():  # a GPU asked for where there is none
+        code, err = run_main(["--output-dir", str(out), *QUICK, "--device", "cuda"], capsys)
+        assert code == 2 and err == ("error: --device cuda: there is no cuda:0 here (0 CUDA devices visible); use "
+                                     "--device cpu or auto\n")
+    assert not out.exists()
 
 
 def test_a_prompt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsys):
@@ -418,6 +469,75 @@ def test_resume_refuses_another_scripts_models_or_runs_checkpoint(tmp_path, caps
     Path(data).write_text("\n".join(rows[1:]) + "\n")
     assert "the training rows differ from the checkpoint's" in refused("--resume-from", str(checkpoint))
     assert sorted(p.name for p in source.iterdir()) == ["checkpoint-1", "final", "metrics.jsonl", "summary.json"]
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
+             "--save-every", "1"]
+    code, err = run_main(flags, capsys)
+    assert code == 0, err
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    code, stdout, err = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0, err
+    assert (f"{out / 'checkpoint-2'} is at step 2: the run already reached --total-steps 2; nothing to do (raise "
+            "--total-steps or --epochs to train further)") in stdout
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    # without final/ (a signal in the last step leaves none), resuming writes the final model
+    import shutil
+
+    shutil.rmtree(out / "final")
+    code, err = run_main([*flags, "--resume-from", "latest"], capsys)
+    assert code == 0, err
+    assert (out / "final" / "reward_head.safetensors").is_file()
+
+
+def test_resuming_an_earlier_checkpoint_drops_the_later_ones(tmp_path, capsys):
+    """Resuming from checkpoint-1 of a 3-step run starts another branch: the old branch's later checkpoints go
+    with its metrics rows, so that `--resume-from latest` cannot pick them up afterwards."""
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--keep-checkpoints", "3"]
+    code, err = run_main([*flags, "--total-steps", "3", "--save-every", "1"], capsys)
+    assert code == 0, err
+    code, err = run_main([*flags, "--total-steps", "2", "--resume-from", str(out / "checkpoint-1")], capsys)
+    assert code == 0, err
+    assert prm.checkpoint_steps(str(out)) == [1]
+    assert [row["step"] for row in read_metrics(out)] == [1, 2]
+
+
+def test_resuming_the_builtin_data_with_other_eval_rows_names_the_flags(tmp_path, capsys):
+    # the built-in training rows are those after the eval rows: another --num-eval-rows changes them
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), "--batch-size", "4", "--eval-every", "0", "--num-val-rows", "4",
+             "--num-eval-rows", "4", "--save-every", "1", "--total-steps", "1"]
+    code, err = run_main(flags, capsys)
+    assert code == 0, err
+    code, err = run_main([*flags, "--num-eval-rows", "5", "--total-steps", "2", "--resume-from", "latest"], capsys)
+    assert code == 2 and err == (f"error: --resume-from {out / 'checkpoint-1'}: the training rows differ from the "
+                                 "checkpoint's (with the built-in data they follow --num-val-rows and "
+                                 "--num-eval-rows: these must match); resume on the same data\n")
+
+
+def test_resuming_with_another_dtype_is_refused_by_name(tmp_path, capsys):
+    # a bf16 checkpoint (as --dtype auto writes on a GPU) resumed in fp32 (what auto gives on a CPU)
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "1",
+             "--save-every", "1"]
+    code, err = run_main([*flags, "--dtype", "bfloat16"], capsys)
+    assert code == 0, err
+    checkpoint = out / "checkpoint-1"
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    assert state["dtype"] == "bfloat16"
+    resume = [*flags, "--total-steps", "2", "--resume-from", "latest"]
+    code, err = run_main([*resume, "--dtype", "float32"], capsys)
+    expected = "computed in bfloat16, this one would in float32 (--dtype float32); resume with --dtype bfloat16"
+    assert code == 2 and err == f"error: --resume-from {checkpoint}: the checkpoint's run {expected}\n"
+    # a checkpoint older than the dtype record is not checked
+    del state["dtype"]
+    torch.save(state, checkpoint / "trainer_state.pt")
+    code, err = run_main([*resume, "--dtype", "bfloat16"], capsys)
+    assert code == 0, err
+    assert read_summary(out)["steps"] == 2
 
 
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
