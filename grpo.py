@@ -45,6 +45,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
+from decimal import Decimal
 from fractions import Fraction
 from typing import Callable, Literal, Optional
 
@@ -229,7 +230,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         std = (centred.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
         centred = centred / (std + eps)
     elif scale == "batch":
-        centred = centred / (rewards[~torch.isnan(rewards)].std() + eps)
+        valid_rewards = rewards[~torch.isnan(rewards)]
+        centred = centred / ((valid_rewards.std() if valid_rewards.numel() > 1 else 0.0) + eps)
     elif scale != "none":
         raise ValueError(f"scale must be group, batch or none, got {scale!r}")
     # the float mean of equal values can differ from them in the last bit, and /(std + eps) would blow that up
@@ -378,22 +380,27 @@ def load_jsonl_prompts(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise UserError(f"data file {path!r} does not exist; pass a JSONL file of {{\"prompt\", \"answer\"}} rows")
     rows = []
-    with open(path) as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise UserError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise UserError(f"{path}:{line_number}: each row needs a string field \"prompt\"")
-            answer = row.get("answer")
-            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-                answer = str(answer)
-            if not isinstance(answer, str):
-                raise UserError(f"{path}:{line_number}: each row needs a field \"answer\" (a string or a number)")
-            rows.append({"prompt": row["prompt"], "answer": answer})
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); convert it") from None
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f"{path}:{line_number}: each row needs a string field \"prompt\"")
+        answer = row.get("answer")
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            # positional notation: str(5e-05) is "5e-05", whose first number is 5
+            answer = str(answer) if isinstance(answer, int) else format(Decimal(repr(answer)), "f")
+        if not isinstance(answer, str):
+            raise UserError(f"{path}:{line_number}: each row needs a field \"answer\" (a string or a number)")
+        rows.append({"prompt": row["prompt"], "answer": answer, "where": f"{path}:{line_number}"})
     if not rows:
         raise UserError(f"{path} holds no rows")
     return rows
@@ -441,10 +448,11 @@ def final_answer(completion: str) -> Optional[str]:
 
 
 def answer_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion's final answer equals the reference as a number (or as text, if not a number)."""
+    """1.0 when the completion's final answer equals the reference as a number (or as text, if not a number; a
+    completion with no `####`, \\boxed{} or number states its whole text)."""
     stated = final_answer(completion)
     if stated is None:
-        return 0.0
+        return float(parse_number(answer) is None and completion.strip() == answer.strip())
     stated_value, answer_value = parse_number(stated), parse_number(answer)
     if stated_value is not None and answer_value is not None:
         return float(stated_value == answer_value)
@@ -539,20 +547,23 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(config, name, 0.0)
 
 
-def encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool, max_prompt_length: int) -> list[list[int]]:
-    """Token ids for each prompt, through the chat template when the tokenizer has one and it is wanted."""
+def encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool, max_prompt_length: int,
+                   where: Optional[list[str]] = None) -> list[list[int]]:
+    """Token ids for each prompt, through the chat template when the tokenizer has one and it is wanted. where:
+    each prompt's origin (file:line) for the error messages."""
     encoded = []
     for index, prompt in enumerate(prompts):
+        name = f"prompt {index}" if where is None else f"{where[index]}: the prompt"
         if use_chat_template and tokenizer.chat_template:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
         else:
             ids = tokenizer(prompt)["input_ids"]
         if len(ids) > max_prompt_length:
-            raise UserError(f"prompt {index} is {len(ids)} tokens, longer than --max-prompt-length "
+            raise UserError(f"{name} is {len(ids)} tokens, longer than --max-prompt-length "
                             f"{max_prompt_length}: raise the limit or shorten the prompt")
         if not ids:  # nothing to condition on, and no position whose logits predict the first completion token
-            raise UserError(f"prompt {index} encodes to no tokens (an empty prompt with a tokenizer that adds no BOS): "
+            raise UserError(f"{name} encodes to no tokens (an empty prompt with a tokenizer that adds no BOS): "
                             "give it some text")
         encoded.append(list(ids))
     return encoded
@@ -781,6 +792,14 @@ def apply_lora(model, args: Args):
 
     targets = args.lora_target_modules
     target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    # peft matches a target to a module's full name or to its end after a dot
+    unknown = [target for target in target_modules if not any(name == target or name.endswith("." + target)
+                                                               for name in linear)] if targets != "all-linear" else []
+    if unknown:  # peft would stop with a traceback, or adapt only the names that exist
+        raise UserError(f"--lora-target-modules: no linear layer is named {', '.join(unknown)}; this model's are "
+                        f"{', '.join(linear_names)}")
     # no dropout on the adapter either: see disable_dropout
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=target_modules,
                         task_type="CAUSAL_LM")
@@ -840,7 +859,10 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
     if args.prm_path is not None:
         import prm  # only imported when a PRM is asked for
 
-        process_reward_model = prm.load_prm(args.prm_path, device=device)
+        try:
+            process_reward_model = prm.load_prm(args.prm_path, device=device)
+        except prm.UserError as error:  # another module's class: main() reports only this script's
+            raise UserError(f"--prm-path: {error}") from None
         separator = args.prm_step_separator or process_reward_model.config["step_separator"]
 
         def prm_reward(prompts: list[str], completions: list[str]) -> list[float]:
@@ -968,13 +990,21 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Optional[dict],
-                    state_dict: Optional[dict] = None) -> None:
+                    state_dict: Optional[dict] = None, base_model=None) -> None:
     """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact.
-    state_dict: the gathered weights of a sharded model (FSDP), which the model cannot read itself."""
+    state_dict: the gathered weights of a sharded model (FSDP), which the model cannot read itself.
+    base_model: an adapter's base that exists nowhere else (the tiny model), saved in base/ beside the adapter."""
     temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
     # one file, so that resuming can read it back whole
     model.save_pretrained(temporary, max_shard_size="1000GB", state_dict=state_dict)
+    if base_model is not None:  # the adapter then loads as it is: peft finds its base by this path
+        base_model.save_pretrained(os.path.join(temporary, "base"))
+        with open(os.path.join(temporary, "adapter_config.json")) as f:
+            adapter_config = json.load(f)
+        adapter_config["base_model_name_or_path"] = os.path.abspath(os.path.join(path, "base"))
+        with open(os.path.join(temporary, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config, f, indent=2)
     tokenizer.save_pretrained(temporary)
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump({"script": "grpo.py", **asdict(args)}, f, indent=2)
@@ -1007,7 +1037,8 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     if path == "latest":
         steps = checkpoint_steps(output_dir)
         if not steps:
-            raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir}")
+            raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir} (pass the run's "
+                            "--output-dir)")
         path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
     if not os.path.isfile(args_file) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
@@ -1024,6 +1055,16 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
         raise UserError(f"--resume-from {path}: the checkpoint's run differs from this one ({'; '.join(different)}); "
                         "resume with the same settings")
     return path
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """--device as a torch.device: auto = a GPU if there is one, else the CPU; a GPU named without an index
+    ("cuda") is this process's own (LOCAL_RANK under torchrun), as torch.cuda.set_device needs an index."""
+    try:
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    return torch.device("cuda", local_rank) if device.type == "cuda" and device.index is None else device
 
 
 def validate_args(args: Args, world_size: int, device: torch.device) -> None:
@@ -1045,6 +1086,11 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.delta is None or args.delta > 1 + args.clip_eps_high,
           f"--delta {args.delta} must be above 1 + --clip-eps-high, or the bound clips every positive ratio")
     check(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    check(args.learning_rate >= 0, f"--learning-rate must be >= 0, got {args.learning_rate}")
+    check(args.eval_batch_size >= 1 and args.num_eval_prompts >= 0,
+          "--eval-batch-size must be at least 1 and --num-eval-prompts >= 0")
+    check(args.eval_every >= 0 and args.save_every >= 0, "--eval-every and --save-every must be >= 0 (0 = never)")
+    check(args.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1 (got {args.keep_checkpoints})")
     check(args.prompts_per_step % world_size == 0, f"--prompts-per-step {args.prompts_per_step} must be "
           f"divisible by the number of processes ({world_size})")
     local_batch = args.prompts_per_step // world_size * args.group_size
@@ -1065,10 +1111,7 @@ def train(args: Args) -> dict:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.fsdp and "WORLD_SIZE" in os.environ)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if args.device == "auto":
-        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    device = resolve_device(args.device, local_rank)
     validate_args(args, args.world_size, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -1089,9 +1132,15 @@ def train(args: Args) -> dict:
         dist.broadcast(stamp, src=0)
         timestamp = int(stamp.item())
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{timestamp}"
-    output_dir = args.output_dir or os.path.join("runs", args.run_name)
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UserError(f"--output-dir {output_dir} exists and is not a directory")
+    if args.output_dir is None and args.resume_from not in (None, "latest"):  # continue the checkpoint's run
+        output_dir = os.path.dirname(os.path.abspath(args.resume_from))
+    else:
+        output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    existing = output_dir
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing and not os.path.isdir(existing):
+        raise UserError(f"--output-dir {output_dir}: {existing} exists and is not a directory")
     resume_path = resolve_resume(args, output_dir)
     if resume_path is None and os.path.isfile(os.path.join(output_dir, "metrics.jsonl")) and not args.overwrite:
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
@@ -1104,6 +1153,7 @@ def train(args: Args) -> dict:
                                                 args.trust_remote_code)
     eos_ids = stop_token_ids(model, tokenizer)
     reference = None
+    tiny_base = copy.deepcopy(model) if args.lora_r > 0 and args.model == "tiny" else None  # see save_checkpoint
     if args.lora_r > 0:
         if resume_path:
             from peft import PeftModel
@@ -1149,10 +1199,21 @@ def train(args: Args) -> dict:
     # ---- data
     if args.data_path is None:
         train_rows, eval_rows = builtin_task(args.seed, args.num_eval_prompts)
+        if not train_rows:
+            raise UserError(f"--num-eval-prompts {args.num_eval_prompts} leaves none of the built-in task's 900 "
+                            "prompts to train on; lower it")
     else:
-        train_rows = load_jsonl_prompts(args.data_path)
-        eval_rows = load_jsonl_prompts(args.eval_data_path)[:args.num_eval_prompts] if args.eval_data_path else []
-    encode_prompts(tokenizer, [r["prompt"] for r in train_rows], args.chat_template, args.max_prompt_length)
+        train_rows, eval_rows = load_jsonl_prompts(args.data_path), []
+    if args.eval_data_path:  # replaces the built-in held-out prompts too
+        eval_rows = load_jsonl_prompts(args.eval_data_path)[:args.num_eval_prompts]
+    # every prompt checked now, before anything is written: too long, empty, or no room left to complete it
+    longest = max(len(ids) for ids in encode_prompts(
+        tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template, args.max_prompt_length,
+        where=[r.get("where", f"built-in prompt {i}") for i, r in enumerate(train_rows + eval_rows)]))
+    context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if context and longest + args.max_new_tokens > context:
+        raise UserError(f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} exceeds the "
+                        f"model's {context} positions: lower --max-new-tokens or --max-prompt-length")
     reward_fns = make_reward_fns(args, device)
 
     @functools.lru_cache(maxsize=2)
@@ -1174,6 +1235,9 @@ def train(args: Args) -> dict:
     bad_steps_in_a_row = skipped_updates = 0
     if resume_path:
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), weights_only=True)
+        if state.get("dtype", str(dtype)) != str(dtype):  # (bf16 `auto` on a GPU, float32 on a CPU)
+            raise UserError(f"--resume-from {resume_path}: the checkpoint's run computed in {state['dtype']}, this "
+                            f"one in {dtype}: pass the same --dtype")
         if args.fsdp and state["optimizer"] is not None:  # saved whole (keyed by name): each process keeps its shard
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -1201,6 +1265,14 @@ def train(args: Args) -> dict:
             p.data.copy_(m.data)
         start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
         set_rng_state(state["rng"])
+        # nothing left to train: the final model and summary stay as they are (without final/, a signal stopped the
+        # run in its last step, and it goes on to the final evaluation and model)
+        if start_step >= args.total_steps and os.path.isdir(os.path.join(output_dir, "final")):
+            print0(f"{resume_path} is at step {start_step}: the run already reached --total-steps "
+                   f"{args.total_steps}; nothing to do (raise --total-steps to train further)", enabled=is_main)
+            if distributed:
+                dist.destroy_process_group()
+            return {"steps": start_step, "resumed_from_step": start_step}
         print0(f"resumed from {resume_path} at step {start_step}", enabled=is_main)
     if is_main:
         if resume_path is None and args.overwrite:  # only what a run writes: the directory may hold other things
@@ -1216,6 +1288,9 @@ def train(args: Args) -> dict:
                 kept = [line for line in f if json.loads(line)["step"] <= start_step]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
+        for later in checkpoint_steps(output_dir) if resume_path else []:  # and the checkpoints: that branch is gone,
+            if later > start_step:  # and `--resume-from latest` must not pick them up
+                shutil.rmtree(os.path.join(output_dir, f"checkpoint-{later}"))
     console = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
                "clip_frac_high": "clip_hi", "completion_length": "len", "eval_accuracy": "eval_acc",
                "step_time_s": "dt", "generation_time_s": "gen", "update_time_s": "upd"}
@@ -1239,7 +1314,7 @@ def train(args: Args) -> dict:
         if is_main:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
-                "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(),
+                "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(), "dtype": str(dtype),
                 "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p]}, weights)
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
@@ -1408,11 +1483,12 @@ def train(args: Args) -> dict:
                     dist.all_reduce(loss_sum)
                 loss_value = loss_sum.item()
                 if math.isfinite(loss_value) and torch.isfinite(grad_norm):
-                    optimizer.step()
                     bad_steps_in_a_row = 0
-                    for p, m in zip(trainable, master):
-                        if m is not p:
-                            p.data.copy_(m.data)
+                    if total_tokens > 0:  # no token in the loss: AdamW's momentum alone would still move the weights
+                        optimizer.step()
+                        for p, m in zip(trainable, master):
+                            if m is not p:
+                                p.data.copy_(m.data)
                 else:  # a non-finite loss or gradient would poison the weights: skip this update
                     skipped_updates += 1
                     bad_steps_in_a_row += 1
@@ -1476,7 +1552,7 @@ def train(args: Args) -> dict:
                 **{name: ratio(f"{name}/sum", f"{name}/count") for name in per_completion},
                 "reward_std": math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) if count > 1 else 0.0,
                 "loss": loss_value,  # already summed over processes (each one's is its share of the mean)
-                **{key: sums[key] / max(sums["tokens"], 1.0) for key in stat_sums if key != "tokens"},
+                **{key: ratio(key, "tokens") for key in stat_sums if key != "tokens"},  # NaN: no token in the loss
                 "grad_norm": grad_norm.item(),
                 "frac_zero_std_groups": ratio("zero_std_groups/sum", "groups"),
                 "completion_length": ratio("completion_length/sum", "completions"),
@@ -1503,7 +1579,8 @@ def train(args: Args) -> dict:
                 path = checkpoint(step + 1)
             if interrupted:
                 print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
-                       f"python grpo.py <the same flags> --resume-from {path}", enabled=is_main)
+                       f"python grpo.py <the same flags> --output-dir {output_dir} --resume-from {path}",
+                       enabled=is_main)
                 break
     finally:
         for sig, handler in previous_handlers.items():
@@ -1515,7 +1592,7 @@ def train(args: Args) -> dict:
         eval_accuracy = run_eval(start_step + len(step_times))
         weights = full_state_dicts(model)[0] if args.fsdp else None
         if is_main:
-            save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None, weights)
+            save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None, weights, tiny_base)
     steps_done = len(step_times)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     update_time = max(timings["update"], 1e-9)

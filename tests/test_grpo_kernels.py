@@ -37,6 +37,7 @@ from grpo import (  # noqa: E402
     kl_penalty,
     left_pad,
     prompt_sharing,
+    resolve_device,
     step_flops,
     stop_token_ids,
     token_logprobs,
@@ -1216,9 +1217,24 @@ def test_generate_never_feeds_back_the_last_token():
     ("no number here", "3", 0.0),
     ("the answer is blue", "blue", 0.0),  # no number and no #### or \\boxed: nothing is stated
     ("#### blue", "blue", 1.0),
+    ("Paris", "Paris", 1.0),  # no marker and no number: the whole completion is the stated answer, as text
+    ("  Paris\n", "Paris", 1.0),
+    ("The capital is Paris", "Paris", 0.0),
+    ("42", "Paris", 0.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
+
+
+def test_json_number_answers_keep_their_value(tmp_path):
+    """A JSON number answer becomes text in positional notation: str(5e-05) is "5e-05", read back as 5."""
+    from grpo import load_jsonl_prompts
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(f'{{"prompt": "p", "answer": {a}}}\n' for a in ["5e-05", "1e20", "3", "2.5", "-0.125"]))
+    answers = [row["answer"] for row in load_jsonl_prompts(str(path))]
+    assert answers == ["0.00005", "100000000000000000000", "3", "2.5", "-0.125"]
+    assert answer_reward("0.00005", answers[0]) == 1.0 and answer_reward("5", answers[0]) == 0.0
 
 
 def test_final_answer_reads_fractions_and_unclosed_boxes():
@@ -1272,3 +1288,13 @@ def test_disable_dropout_covers_attention_and_adapter_dropout():
     disable_dropout(model)
     assert torch.equal(model(ids).logits, model(ids).logits)
     assert model.config.attention_dropout == 0.0
+
+
+def test_resolve_device():
+    """torch.cuda.set_device needs an index: a bare `cuda` is this process's GPU (LOCAL_RANK under torchrun)."""
+    assert resolve_device("cuda", 3) == torch.device("cuda", 3)
+    assert resolve_device("cuda:1", 3) == torch.device("cuda", 1)
+    assert resolve_device("cpu", 3) == torch.device("cpu")
+    assert resolve_device("auto", 0) == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    with pytest.raises(UserError, match="--device 'gpu0' is not a device"):
+        resolve_device("gpu0", 0)

@@ -1,6 +1,7 @@
 """grpo.py under stress: bad input, interruption and exact resume, two processes."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -29,6 +30,17 @@ def bad_rows_file(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
+def latin1_file(tmp_path: Path) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes('{"prompt": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
+    return str(path)
+
+
+def below_a_file(tmp_path: Path) -> str:
+    (tmp_path / "a_file").write_text("x")
+    return str(tmp_path / "a_file" / "out")
+
+
 BAD_INPUTS = {
     "missing data file": (lambda tmp: ["--data-path", str(tmp / "nope.jsonl")], "does not exist"),
     "invalid json": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": "1"}\n{oops\n')],
@@ -47,6 +59,23 @@ BAD_INPUTS = {
                                  "--max-new-tokens must be at least 1"),
     "delta inside the clip range": (lambda tmp: ["--delta", "1.1"], "--delta 1.1 must be above"),
     "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "not a checkpoint written by grpo.py"),
+    "not utf-8": (lambda tmp: ["--data-path", latin1_file(tmp)], "rows.jsonl is not UTF-8 text"),
+    "prompt too long, named by line": (
+        lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": "1"}\n\n{"prompt": "1+1+1+1", '
+                     '"answer": "4"}\n'), "--max-prompt-length", "4"], "rows.jsonl:3: the prompt is 8 tokens"),
+    "held-out prompt too long": (
+        lambda tmp: ["--eval-data-path", bad_rows_file(tmp, '{"prompt": "(123+7)%10=(1+1)", "answer": "1"}\n'),
+                     "--max-prompt-length", "12"], "rows.jsonl:1: the prompt is 17 tokens"),
+    "no room to complete": (lambda tmp: ["--max-new-tokens", "250"], "exceeds the model's 256 positions"),
+    "every prompt held out": (lambda tmp: ["--num-eval-prompts", "900"], "leaves none of the built-in task's"),
+    "unknown device": (lambda tmp: ["--device", "foo"], "--device 'foo' is not a device"),
+    "no checkpoint kept": (lambda tmp: ["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+    "eval batch of zero": (lambda tmp: ["--eval-batch-size", "0"], "--eval-batch-size must be at least 1"),
+    "negative learning rate": (lambda tmp: ["--learning-rate", "-1"], "--learning-rate must be >= 0"),
+    "negative save interval": (lambda tmp: ["--save-every", "-1"], "--save-every must be >= 0"),
+    "lora target typo": (lambda tmp: ["--lora-r", "4", "--lora-target-modules", "q_proj,qproj"],
+                         "no linear layer is named qproj; this model's are down_proj"),
+    "not a prm": (lambda tmp: ["--prm-path", str(tmp)], "--prm-path: "),
 }
 
 
@@ -59,6 +88,11 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
     assert message in err
     assert err.startswith("error: ") and err.count("\n") == 1  # one line, no traceback
     assert not out.exists()  # nothing written
+
+
+def test_output_dir_below_a_file_is_refused(tmp_path, capsys):
+    code, err = run_main(["--output-dir", below_a_file(tmp_path), *QUICK], capsys)
+    assert code == 2 and "a_file exists and is not a directory" in err and err.count("\n") == 1
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
@@ -218,6 +252,68 @@ def test_a_model_configured_with_dropout_trains_without_it(tmp_path):
     out = tmp_path / "out"
     run_grpo(out, *QUICK, "--total-steps", "2", "--model", str(model_dir), "--lora-r", "4", "--no-chat-template")
     assert all(row["logp_gap_max"] < 1e-4 for row in read_metrics(out))
+
+
+def test_resume_continues_the_checkpoints_run(tmp_path, capsys):
+    """Given a checkpoint and no --output-dir, a resumed run continues in the checkpoint's directory (not a new
+    time-stamped one) and drops the checkpoints of the branch it leaves; a run already finished is left alone."""
+    run = tmp_path / "run"
+    run_grpo(run, *QUICK, "--total-steps", "3", "--save-every", "1", "--keep-checkpoints", "3")
+    summary = (run / "summary.json").read_text()
+    code, out, _ = run_main([*QUICK, "--total-steps", "3", "--resume-from", str(run / "checkpoint-3")], capsys,
+                            with_stdout=True)
+    assert code == 0 and "the run already reached --total-steps 3; nothing to do" in out
+    assert (run / "summary.json").read_text() == summary  # the finished run's figures are left alone
+    code, err = run_main([*QUICK, "--total-steps", "3", "--dtype", "bfloat16", "--resume-from",
+                          str(run / "checkpoint-1")], capsys)
+    assert code == 2 and "computed in torch.float32, this one in torch.bfloat16: pass the same --dtype" in err
+
+    runs_before = set(os.listdir("runs")) if os.path.isdir("runs") else set()
+    code, _ = run_main([*QUICK, "--total-steps", "2", "--resume-from", str(run / "checkpoint-1")], capsys)
+    assert code == 0
+    assert [row["step"] for row in read_metrics(run)] == [1, 2]
+    assert grpo.checkpoint_steps(str(run)) == [1]  # checkpoint-2 and -3 belonged to the abandoned branch
+    assert (run / "summary.json").read_text() != summary
+    assert (set(os.listdir("runs")) if os.path.isdir("runs") else set()) == runs_before  # no new run directory
+
+
+def test_a_step_with_no_token_in_the_loss_leaves_the_weights(tmp_path, capsys, monkeypatch):
+    """When every sample's reward fails (--reward-errors skip), no token is in the loss: the gradient is zero, but
+    AdamW's momentum from earlier steps would still move the weights, so the update is not taken; the token-
+    weighted statistics are NaN rather than 0."""
+    from safetensors.torch import load_file
+
+    calls = {"n": 0}
+
+    def reward_failing_from_step_2(completion: str, answer: str) -> float:
+        calls["n"] += 1
+        return 1.0 if calls["n"] <= 16 and calls["n"] % 3 else (0.0 if calls["n"] <= 16 else float("nan"))
+
+    monkeypatch.setattr(grpo, "answer_reward", reward_failing_from_step_2)
+    out = tmp_path / "out"
+    code, _ = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "2", "--save-every", "1",
+                        "--num-eval-prompts", "0", "--reward-errors", "skip", "--learning-rate", "1e-2"], capsys)
+    assert code == 0
+    first, second = read_metrics(out)
+    assert first["grad_norm"] > 0 and second["reward_errors"] == 16
+    assert math.isnan(second["ratio_mean"]) and math.isnan(second["entropy"])
+    before, after = load_file(out / "checkpoint-1" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_lora_on_the_tiny_model_saves_a_loadable_adapter(tmp_path):
+    """The tiny model exists nowhere but in the script: its final/ adapter carries the base model beside it, so
+    peft loads it as it is, and it generates what the run's last evaluation did."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "out"
+    run_grpo(out, *QUICK, "--total-steps", "1", "--lora-r", "4", "--num-eval-prompts", "0")
+    model = AutoPeftModelForCausalLM.from_pretrained(out / "final")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    assert type(model.get_base_model()).__name__ == "LlamaForCausalLM"
+    ids = tokenizer("(123+7)%10=", return_tensors="pt")
+    assert model.generate(**ids, max_new_tokens=2, do_sample=False).shape == (1, ids["input_ids"].shape[1] + 2)
 
 
 def test_keep_checkpoints_keeps_the_newest(tmp_path):
