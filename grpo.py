@@ -1592,6 +1592,7 @@ def train(args: Args) -> dict:
         eval_accuracy = run_eval(start_step + len(step_times))
         weights = full_state_dicts(model)[0] if args.fsdp else None
         if is_main:
+            model.config.use_cache = True  # off for gradient checkpointing in training; whoever loads it generates
             save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None, weights, tiny_base)
     steps_done = len(step_times)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up

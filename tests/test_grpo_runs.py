@@ -141,6 +141,8 @@ def test_shared_prompts_give_the_same_run(tmp_path):
         # Adam divides each gradient entry by its own RMS: fp32 rounding in near-zero entries moves weights by a
         # few percent of a step (measured: 2% full, 0.7% LoRA); an error in the shared pass moves them by whole steps
         assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < 0.05 * lr
+        if name == "checkpointing":  # training turns the KV cache off; the saved model generates with it on
+            assert json.loads((shared / "final" / "config.json").read_text())["use_cache"] is True
 
 
 @pytest.mark.parametrize("flags, reference_plans, training_plans", [
