@@ -407,8 +407,8 @@ def load_jsonl_prompts(path: str) -> list[dict]:
 
 
 # a number: thousands separated by commas only in groups of three ("1,234"; "1,2" is two numbers, not 12), a
-# decimal part, a leading-dot decimal (".5"), or a fraction "a/b"
-_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
+# decimal part, a leading-dot decimal (".5", but not the ".5" of "...5" or "1.2.5"), or a fraction "a/b"
+_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)(?:/\d+)?")
 _LATEX_FRACTION = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 
 
@@ -788,22 +788,29 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, Optional[dict]]:
 
 
 def apply_lora(model, args: Args):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, NoMatchingPeftModuleError, get_peft_model
 
     targets = args.lora_target_modules
     target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
-    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    linear_names = sorted({name.rsplit(".", 1)[-1] for name in linear})
-    # peft matches a target to a module's full name or to its end after a dot
-    unknown = [target for target in target_modules if not any(name == target or name.endswith("." + target)
-                                                               for name in linear)] if targets != "all-linear" else []
-    if unknown:  # peft would stop with a traceback, or adapt only the names that exist
-        raise UserError(f"--lora-target-modules: no linear layer is named {', '.join(unknown)}; this model's are "
-                        f"{', '.join(linear_names)}")
     # no dropout on the adapter either: see disable_dropout
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=target_modules,
                         task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    candidates = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+                         or type(module).__name__ == "Conv1D"})  # GPT-2's linear layers are Conv1D
+    try:
+        model = get_peft_model(model, config)
+    except NoMatchingPeftModuleError:
+        unknown = target_modules
+    else:  # peft adapts the names that match and ignores the others: a typo would go unnoticed
+        adapted = model.targeted_module_names
+        unknown = [] if targets == "all-linear" else [
+            target for target in target_modules if not any(name == target or name.endswith("." + target)
+                                                           for name in adapted)]
+    if unknown:
+        raise UserError(f"--lora-target-modules: no layer is named {', '.join(unknown)}; this model's include "
+                        f"{', '.join(candidates)}")
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -823,8 +830,11 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
             try:
                 values = [float(v) for v in fn(prompts, completions)]
             except Exception as error:  # one call scores the whole batch: every sample's reward failed
-                values = [_reward_failure(name, 0, completions[0], f"{type(error).__name__}: {error} (one call "
-                                          "scores the whole batch: every sample failed)", on_error)] * len(completions)
+                failure = _reward_failure(name, 0, completions[0], f"{type(error).__name__}: {error} (one call "
+                                          "scores the whole batch: every sample failed)", on_error)
+                per_fn[name] = torch.full((len(completions),), failure)
+                totals += weight * per_fn[name]
+                continue
         else:
             values = []
             for index, (completion, answer) in enumerate(zip(completions, answers)):
@@ -1064,7 +1074,12 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     except RuntimeError:
         raise UserError(f"--device {name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
-    return torch.device("cuda", local_rank) if device.type == "cuda" and device.index is None else device
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank if device.index is None else device.index)
+        if device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: there is no {device} here ({torch.cuda.device_count()} CUDA devices "
+                            "visible); use --device cpu or auto")
+    return device
 
 
 def validate_args(args: Args, world_size: int, device: torch.device) -> None:
@@ -1142,7 +1157,9 @@ def train(args: Args) -> dict:
     if existing and not os.path.isdir(existing):
         raise UserError(f"--output-dir {output_dir}: {existing} exists and is not a directory")
     resume_path = resolve_resume(args, output_dir)
-    if resume_path is None and os.path.isfile(os.path.join(output_dir, "metrics.jsonl")) and not args.overwrite:
+    resuming_here = resume_path is not None and os.path.realpath(os.path.dirname(
+        os.path.abspath(resume_path.rstrip("/")))) == os.path.realpath(output_dir)
+    if not resuming_here and os.path.isfile(os.path.join(output_dir, "metrics.jsonl")) and not args.overwrite:
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
                         "to continue it, or another --output-dir")
     seed_everything(args.seed)  # the same on every rank: identical initial weights
@@ -1212,8 +1229,14 @@ def train(args: Args) -> dict:
         where=[r.get("where", f"built-in prompt {i}") for i, r in enumerate(train_rows + eval_rows)]))
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if context and longest + args.max_new_tokens > context:
-        raise UserError(f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} exceeds the "
-                        f"model's {context} positions: lower --max-new-tokens or --max-prompt-length")
+        # a learned table of positions (GPT-2's) has no row beyond it; rotary positions run on, untrained
+        learned = any(isinstance(module, torch.nn.Embedding) and module.num_embeddings == context
+                      and module is not model.get_input_embeddings() for module in model.modules())
+        message = (f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} exceeds the model's "
+                   f"{context} positions")
+        if learned:
+            raise UserError(f"{message}: lower --max-new-tokens or --max-prompt-length")
+        print0(f"warning: {message}, beyond which it was not trained", file=sys.stderr, enabled=is_main)
     reward_fns = make_reward_fns(args, device)
 
     @functools.lru_cache(maxsize=2)
@@ -1275,7 +1298,7 @@ def train(args: Args) -> dict:
             return {"steps": start_step, "resumed_from_step": start_step}
         print0(f"resumed from {resume_path} at step {start_step}", enabled=is_main)
     if is_main:
-        if resume_path is None and args.overwrite:  # only what a run writes: the directory may hold other things
+        if not resuming_here and args.overwrite:  # only what a run writes: the directory may hold other things
             for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
                 if name in ("metrics.jsonl", "summary.json", "final", "final.tmp") or re.fullmatch(
                         r"checkpoint-\d+(\.tmp)?", name):
@@ -1288,9 +1311,13 @@ def train(args: Args) -> dict:
                 kept = [line for line in f if json.loads(line)["step"] <= start_step]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
-        for later in checkpoint_steps(output_dir) if resume_path else []:  # and the checkpoints: that branch is gone,
-            if later > start_step:  # and `--resume-from latest` must not pick them up
+        if resuming_here:  # the branch after the checkpoint is gone: `--resume-from latest` must not pick up its
+            # checkpoints, nor a resume after a last-step signal take its final model for this run's
+            for later in (step for step in checkpoint_steps(output_dir) if step > start_step):
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{later}"))
+            shutil.rmtree(os.path.join(output_dir, "final"), ignore_errors=True)
+            if os.path.isfile(os.path.join(output_dir, "summary.json")):
+                os.remove(os.path.join(output_dir, "summary.json"))
     console = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
                "clip_frac_high": "clip_hi", "completion_length": "len", "eval_accuracy": "eval_acc",
                "step_time_s": "dt", "generation_time_s": "gen", "update_time_s": "upd"}

@@ -1353,9 +1353,13 @@ def train(args: Args) -> dict:
                 kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
-        for later in checkpoint_steps(output_dir) if resume_path else []:  # and the checkpoints: that branch is gone,
-            if later > start_step:  # and `--resume-from latest` must not pick them up
+        if resuming_here:  # the branch after the checkpoint is gone: `--resume-from latest` must not pick up its
+            # checkpoints, nor a resume after a last-step signal take its final model for this run's
+            for later in (step for step in checkpoint_steps(output_dir) if step > start_step):
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{later}"))
+            shutil.rmtree(os.path.join(output_dir, "final"), ignore_errors=True)
+            if os.path.isfile(os.path.join(output_dir, "summary.json")):
+                os.remove(os.path.join(output_dir, "summary.json"))
     console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "eval_auroc",
                "eval_first_error_f1": "eval_fe_f1", "step_time_s": "dt"}
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,

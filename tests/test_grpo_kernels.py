@@ -1217,6 +1217,8 @@ def test_generate_never_feeds_back_the_last_token():
     ("no number here", "3", 0.0),
     ("the answer is blue", "blue", 0.0),  # no number and no #### or \\boxed: nothing is stated
     ("#### blue", "blue", 1.0),
+    ("The answer is...5", "5", 1.0),  # not .5
+    ("12.05.2023", "2023", 1.0),
     ("Paris", "Paris", 1.0),  # no marker and no number: the whole completion is the stated answer, as text
     ("  Paris\n", "Paris", 1.0),
     ("The capital is Paris", "Paris", 0.0),
@@ -1251,7 +1253,7 @@ def test_format_reward(completion, expected):
     assert format_reward(completion, "") == expected
 
 
-def test_a_failing_batched_reward_is_reported_or_skipped():
+def test_a_failing_batched_reward_is_reported_or_skipped(capsys):
     """The PRM reward scores the whole batch in one call: an exception there follows --reward-errors too."""
     def broken_prm(prompts, completions):
         raise RuntimeError("PRM out of memory")
@@ -1262,6 +1264,8 @@ def test_a_failing_batched_reward_is_reported_or_skipped():
     totals, per_fn = compute_rewards(["p", "p"], ["1", "2"], ["1", "1"], fns, "skip")
     assert torch.isnan(totals).all() and torch.isnan(per_fn["prm"]).all()
     assert per_fn["answer"].tolist() == [1.0, 0.0]
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 1 and "PRM out of memory" in warnings[0]  # one failure, not one "returned nan" a sample
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1290,11 +1294,34 @@ def test_disable_dropout_covers_attention_and_adapter_dropout():
     assert model.config.attention_dropout == 0.0
 
 
-def test_resolve_device():
-    """torch.cuda.set_device needs an index: a bare `cuda` is this process's GPU (LOCAL_RANK under torchrun)."""
+def test_resolve_device(monkeypatch):
+    """torch.cuda.set_device needs an index: a bare `cuda` is this process's GPU (LOCAL_RANK under torchrun); a GPU
+    that is not there, or a name torch does not know, is one error line."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert resolve_device("cuda", 3) == torch.device("cuda", 3)
     assert resolve_device("cuda:1", 3) == torch.device("cuda", 1)
     assert resolve_device("cpu", 3) == torch.device("cpu")
-    assert resolve_device("auto", 0) == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    with pytest.raises(UserError, match="there is no cuda:5 here"):
+        resolve_device("cuda:5", 0)
     with pytest.raises(UserError, match="--device 'gpu0' is not a device"):
         resolve_device("gpu0", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto", 0) == torch.device("cpu")
+
+
+def test_lora_targets_any_layer_peft_adapts():
+    """peft adapts GPT-2's Conv1D layers by name (c_attn), and ignores names that match nothing when others do:
+    a typo among the targets is an error, not a silently smaller adapter."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grpo import Args, apply_lora
+
+    def gpt2():
+        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0,
+                                          eos_token_id=0))
+
+    adapted = apply_lora(gpt2(), Args(lora_r=4, lora_target_modules="c_attn,attn.c_proj")).targeted_module_names
+    assert adapted == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj"]
+    for targets in ("c_attn,c_atn", "q_proj"):
+        with pytest.raises(UserError, match="no layer is named (c_atn|q_proj); this model's include c_attn"):
+            apply_lora(gpt2(), Args(lora_r=4, lora_target_modules=targets))

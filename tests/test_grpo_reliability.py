@@ -66,7 +66,6 @@ BAD_INPUTS = {
     "held-out prompt too long": (
         lambda tmp: ["--eval-data-path", bad_rows_file(tmp, '{"prompt": "(123+7)%10=(1+1)", "answer": "1"}\n'),
                      "--max-prompt-length", "12"], "rows.jsonl:1: the prompt is 17 tokens"),
-    "no room to complete": (lambda tmp: ["--max-new-tokens", "250"], "exceeds the model's 256 positions"),
     "every prompt held out": (lambda tmp: ["--num-eval-prompts", "900"], "leaves none of the built-in task's"),
     "unknown device": (lambda tmp: ["--device", "foo"], "--device 'foo' is not a device"),
     "no checkpoint kept": (lambda tmp: ["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
@@ -74,7 +73,7 @@ BAD_INPUTS = {
     "negative learning rate": (lambda tmp: ["--learning-rate", "-1"], "--learning-rate must be >= 0"),
     "negative save interval": (lambda tmp: ["--save-every", "-1"], "--save-every must be >= 0"),
     "lora target typo": (lambda tmp: ["--lora-r", "4", "--lora-target-modules", "q_proj,qproj"],
-                         "no linear layer is named qproj; this model's are down_proj"),
+                         "no layer is named qproj; this model's include down_proj"),
     "not a prm": (lambda tmp: ["--prm-path", str(tmp)], "--prm-path: "),
 }
 
@@ -88,6 +87,27 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
     assert message in err
     assert err.startswith("error: ") and err.count("\n") == 1  # one line, no traceback
     assert not out.exists()  # nothing written
+
+
+def test_completions_beyond_the_context(tmp_path, capsys):
+    """GPT-2 learns a table of positions and has no row past it: a prompt plus --max-new-tokens beyond it is an
+    error up front (it was an IndexError in the embedding, a device-side assert on CUDA). Rotary positions run on
+    past the trained context: a warning, and the run goes on."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = grpo.build_tiny_tokenizer()
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tokenizer), n_positions=16,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                    ).save_pretrained(gpt2)
+    tokenizer.save_pretrained(gpt2)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--model", str(gpt2), "--max-new-tokens", "8"], capsys)
+    assert code == 2 and "a prompt of 12 tokens plus --max-new-tokens 8 exceeds the model's 16 positions" in err
+    assert not out.exists()
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "1", "--num-eval-prompts", "0",
+                          "--max-new-tokens", "250"], capsys)
+    assert code == 0 and "warning: a prompt of 12 tokens plus --max-new-tokens 250 exceeds the model's 256" in err
 
 
 def test_output_dir_below_a_file_is_refused(tmp_path, capsys):
@@ -254,7 +274,7 @@ def test_a_model_configured_with_dropout_trains_without_it(tmp_path):
     assert all(row["logp_gap_max"] < 1e-4 for row in read_metrics(out))
 
 
-def test_resume_continues_the_checkpoints_run(tmp_path, capsys):
+def test_resume_continues_the_checkpoints_run(tmp_path, capsys, monkeypatch):
     """Given a checkpoint and no --output-dir, a resumed run continues in the checkpoint's directory (not a new
     time-stamped one) and drops the checkpoints of the branch it leaves; a run already finished is left alone."""
     run = tmp_path / "run"
@@ -275,6 +295,27 @@ def test_resume_continues_the_checkpoints_run(tmp_path, capsys):
     assert grpo.checkpoint_steps(str(run)) == [1]  # checkpoint-2 and -3 belonged to the abandoned branch
     assert (run / "summary.json").read_text() != summary
     assert (set(os.listdir("runs")) if os.path.isdir("runs") else set()) == runs_before  # no new run directory
+
+    # the abandoned branch's final model goes too: were this run stopped in its last step, a resume would
+    # otherwise find a final/ and take the old branch's model for this one's
+    calls = {"n": 0}
+
+    def reward_failing_in_step_3(completion: str, answer: str) -> float:
+        calls["n"] += 1
+        if calls["n"] > 16:
+            raise RuntimeError("stop")
+        return 1.0
+
+    monkeypatch.setattr(grpo, "answer_reward", reward_failing_in_step_3)
+    code, err = run_main([*QUICK, "--total-steps", "3", "--resume-from", str(run / "checkpoint-1")], capsys)
+    assert code == 2 and "RuntimeError: stop" in err
+    assert not (run / "final").exists() and not (run / "summary.json").exists()
+
+    # a checkpoint resumed into another directory that holds a run would overwrite that run
+    other = tmp_path / "other"
+    run_grpo(other, *QUICK, "--total-steps", "1")
+    code, err = run_main([*QUICK, "--output-dir", str(other), "--resume-from", str(run / "checkpoint-1")], capsys)
+    assert code == 2 and "already holds a run" in err
 
 
 def test_a_step_with_no_token_in_the_loss_leaves_the_weights(tmp_path, capsys, monkeypatch):

@@ -492,7 +492,7 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
     assert (out / "final" / "reward_head.safetensors").is_file()
 
 
-def test_resuming_an_earlier_checkpoint_drops_the_later_ones(tmp_path, capsys):
+def test_resuming_an_earlier_checkpoint_drops_the_later_ones(tmp_path, capsys, monkeypatch):
     """Resuming from checkpoint-1 of a 3-step run starts another branch: the old branch's later checkpoints go
     with its metrics rows, so that `--resume-from latest` cannot pick them up afterwards."""
     out = tmp_path / "out"
@@ -503,6 +503,21 @@ def test_resuming_an_earlier_checkpoint_drops_the_later_ones(tmp_path, capsys):
     assert code == 0, err
     assert prm.checkpoint_steps(str(out)) == [1]
     assert [row["step"] for row in read_metrics(out)] == [1, 2]
+    # the abandoned branch's final model goes too: were this run stopped in its last step, a resume would
+    # otherwise find a final/ and take the old branch's model for this one's
+    real_loss = prm.prm_loss
+    calls = []
+
+    def loss_failing_in_the_second_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("stop")
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(prm, "prm_loss", loss_failing_in_the_second_step)
+    with pytest.raises(RuntimeError, match="stop"):
+        run_main([*flags, "--total-steps", "3", "--resume-from", str(out / "checkpoint-1")], capsys)
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
 
 
 def test_resuming_the_builtin_data_with_other_eval_rows_names_the_flags(tmp_path, capsys):
