@@ -1231,6 +1231,8 @@ def train(args: Args) -> dict:
     if distributed and not args.fsdp:  # the seed already makes the weights equal everywhere; a broadcast makes sure
         for tensor in prm.state_dict().values():
             dist.broadcast(tensor, src=0)
+    if distributed:  # the weights are set: from here each process draws its own dropout masks (the same stream on
+        torch.manual_seed(args.seed + rank)  # every process would mask the same positions of different rows)
     if args.gradient_checkpointing:
         prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     tokenizer = prm.tokenizer

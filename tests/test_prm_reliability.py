@@ -624,6 +624,9 @@ def test_two_processes_make_the_same_update_as_one(tmp_path, capsys):
                              capture_output=True, text=True, timeout=300, env=ENV)
     assert process.returncode == 0, process.stderr[-3000:]
     assert process.stdout.count("step 1 |") == 1  # rank 0 alone logs
+    # each process draws its own random stream (dropout masks): the states the checkpoint keeps per rank differ
+    states = torch.load(double / "checkpoint-1" / "trainer_state.pt", weights_only=True)["rng"]
+    assert len(states) == 2 and not torch.equal(states[0]["torch"], states[1]["torch"])
     for name in ("model.safetensors", "reward_head.safetensors"):
         one = load_file(single / "checkpoint-1" / name)
         two = load_file(double / "checkpoint-1" / name)
