@@ -185,12 +185,13 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, capsys, monkeypatch)
         return loss * float("nan"), stats
 
     monkeypatch.setattr(grpo, "grpo_loss", nan_loss)
+    handler_before = signal.getsignal(signal.SIGINT)  # the default, or SIG_IGN in a shell's background job
     out = tmp_path / "out"
     code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "10", "--max-bad-steps", "3"], capsys)
     assert code == 2 and "3 updates in a row had a non-finite loss" in err
     assert err.count("update skipped") == 3
     assert len(read_metrics(out)) == 2  # steps 1 and 2 were logged (skipped), step 3 stopped the run
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # an error puts the handlers back too
+    assert signal.getsignal(signal.SIGINT) is handler_before  # an error puts the handlers back too
 
 
 def comparable(rows: list[dict]) -> list[dict]:

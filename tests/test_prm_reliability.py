@@ -600,6 +600,7 @@ def test_sigint_finishes_the_step_then_checkpoints(tmp_path, capsys, monkeypatch
         return real_loss(*args, **kwargs)
 
     monkeypatch.setattr(prm, "prm_loss", interrupting_loss)
+    handler_before = signal.getsignal(signal.SIGINT)  # the default, or SIG_IGN in a shell's background job
     out = tmp_path / "out"
     code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path),
                                   "--total-steps", "10"], capsys, with_stdout=True)
@@ -607,7 +608,7 @@ def test_sigint_finishes_the_step_then_checkpoints(tmp_path, capsys, monkeypatch
     assert "stopped by a signal after step 2" in stdout and f"--resume-from {out / 'checkpoint-2'}" in stdout
     assert prm.checkpoint_steps(str(out)) == [2] and len(read_metrics(out)) == 2
     assert not (out / "final").exists() and read_summary(out)["interrupted"] is True
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+    assert signal.getsignal(signal.SIGINT) is handler_before  # the handlers are put back
 
 
 def test_two_processes_make_the_same_update_as_one(tmp_path, capsys):
