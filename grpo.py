@@ -665,10 +665,15 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     return completion_ids, completion_mask, torch.stack(logps, dim=1)
 
 
+def ended_by_eos(completion_ids, completion_mask, eos_ids: list[int]) -> torch.Tensor:
+    """[B] bool: each completion's last kept token is a stop id; False = it ran to max_new_tokens (truncated)."""
+    last = completion_ids.gather(1, (completion_mask.sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)  # [B]
+    return torch.isin(last, torch.tensor(eos_ids, device=last.device))
+
+
 def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids: list[int]) -> list[str]:
     """Each completion's text up to (not including) the EOS that ended it, other special tokens kept."""
-    last = completion_ids.gather(1, (completion_mask.sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)  # [B]
-    lengths = (completion_mask.sum(1) - torch.isin(last, torch.tensor(eos_ids, device=last.device)).long()).tolist()
+    lengths = (completion_mask.sum(1) - ended_by_eos(completion_ids, completion_mask, eos_ids).long()).tolist()
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)],
                                   skip_special_tokens=False)
 
@@ -1391,8 +1396,7 @@ def train(args: Args) -> dict:
                 generators=prompt_generators(args.seed, step, prompt_indices, device), group_size=args.group_size,
                 stop_together=args.fsdp)
             model.train()
-            truncated = (completion_mask.sum(1) == completion_mask.shape[1]) & ~torch.isin(
-                completion_ids[:, -1], torch.tensor(eos_ids, device=device))  # [B]: no EOS within max_new_tokens
+            truncated = ~ended_by_eos(completion_ids, completion_mask, eos_ids)  # [B]: no EOS within max_new_tokens
             t_generated = sync_clock()
             timings["generation"] += t_generated - step_start
 

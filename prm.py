@@ -655,14 +655,24 @@ def apply_lora(backbone, args: Args):
     target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         target_modules=target_modules, task_type="FEATURE_EXTRACTION")
+    # the names to choose from: LoRA adapts linear layers (GPT-2's Conv1D is one, transposed)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in backbone.named_modules()
+                     if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"})
+    architecture = type(backbone).__name__
     try:
-        return get_peft_model(backbone, config)
+        backbone = get_peft_model(backbone, config)
     except NoMatchingPeftModuleError:
-        # the names to choose from: LoRA adapts linear layers (GPT-2's Conv1D is one, transposed)
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in backbone.named_modules()
-                         if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"})
-        raise UserError(f"--lora-target-modules {targets}: no module of {type(backbone).__name__} has that name; "
-                        f"its linear modules include {', '.join(linear[:8]) or 'none'} (or use all-linear)") from None
+        unknown = target_modules
+    else:  # peft adapts the names that match and ignores the others: a typo would go unnoticed
+        adapted = backbone.targeted_module_names
+        unknown = [] if targets == "all-linear" else [
+            target for target in target_modules if not any(name == target or name.endswith("." + target)
+                                                           for name in adapted)]
+    if unknown:
+        raise UserError(f"--lora-target-modules {targets}: no module of {architecture} has that name "
+                        f"({', '.join(unknown)}); its linear modules include {', '.join(linear[:8]) or 'none'} (or "
+                        "use all-linear)")
+    return backbone
 
 
 # FSDP2 also runs on CPU over gloo, which the tests use to check the sharded path; users get a clear error there

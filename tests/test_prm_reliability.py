@@ -96,6 +96,9 @@ BAD_INPUTS = {
     # model
     "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "no-model", "could not load model"),
     "model path without a model": (lambda tmp: ["--model", str(tmp)], "could not load model", "no config.json"),
+    "lora target partly matching": (lambda tmp: ["--lora-r", "4", "--lora-target-modules", "q_proj,qproj"],
+                                    "--lora-target-modules q_proj,qproj: no module of LlamaModel has that name (qproj)",
+                                    "its linear modules include down_proj"),
     "lora target matching nothing": (lambda tmp: ["--lora-r", "4", "--lora-target-modules", "qkv,c_attn"],
                                      "--lora-target-modules qkv,c_attn: no module of LlamaModel has that name",
                                      "its linear modules include down_proj, gate_proj, k_proj, o_proj, q_proj"),
