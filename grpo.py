@@ -380,12 +380,14 @@ def load_jsonl_prompts(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise UserError(f"data file {path!r} does not exist; pass a JSONL file of {{\"prompt\", \"answer\"}} rows")
     rows = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except UnicodeDecodeError as error:
-        raise UserError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); convert it") from None
-    for line_number, line in enumerate(lines, start=1):
+    with open(path, "rb") as f:  # bytes, decoded line by line: a non-UTF-8 line is reported with its number
+        lines = f.readlines()
+    for line_number, raw_line in enumerate(lines, start=1):
+        try:
+            line = raw_line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UserError(f"{path}:{line_number}: not UTF-8 text ({error.reason} at byte {error.start} of the "
+                            "line); convert the file to UTF-8") from None
         if not line.strip():
             continue
         try:
@@ -409,7 +411,8 @@ def load_jsonl_prompts(path: str) -> list[dict]:
 # a number: thousands separated by commas only in groups of three ("1,234"; "1,2" is two numbers, not 12), a
 # decimal part, a leading-dot decimal (".5", but not the ".5" of "...5" or "1.2.5"), or a fraction "a/b"
 _NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)(?:/\d+)?")
-_LATEX_FRACTION = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+# \frac{a}{b}, \dfrac or \tfrac, after a whole number when it is a mixed number (2\frac{1}{2}, not the 2 of x^2)
+_LATEX_FRACTION = re.compile(r"(?:(?<![\w^.])(-?\d+)\s*)?\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 
 
 def parse_number(text: str) -> Optional[Fraction]:
@@ -421,6 +424,18 @@ def parse_number(text: str) -> Optional[Fraction]:
         return Fraction(match.group(0).replace(",", ""))
     except (ValueError, ZeroDivisionError):
         return None
+
+
+def latex_fraction_as_text(match: re.Match) -> str:
+    """\\frac{a}{b} -> "a/b"; the mixed number 2\\frac{1}{2} -> "5/2" (gluing the digits would give 21/2)."""
+    whole, numerator, denominator = match.groups()
+    if whole is None:
+        return f"{numerator}/{denominator}"
+    if not (numerator.strip().isdigit() and denominator.strip().isdigit()) or int(denominator) == 0:
+        return f"{whole} {numerator}/{denominator}"  # no number: left as text
+    magnitude = abs(int(whole)) + Fraction(int(numerator), int(denominator))
+    value = -magnitude if whole.startswith("-") else magnitude
+    return f"{value.numerator}/{value.denominator}"
 
 
 def last_boxed(text: str) -> Optional[tuple[str, int]]:
@@ -442,7 +457,7 @@ def final_answer(completion: str) -> Optional[str]:
         return completion.split("####")[-1].strip()
     boxed = last_boxed(completion)
     if boxed is not None:
-        return _LATEX_FRACTION.sub(r"\1/\2", boxed[0])
+        return _LATEX_FRACTION.sub(latex_fraction_as_text, boxed[0])
     numbers = _NUMBER.findall(completion.replace("$", ""))
     return numbers[-1] if numbers else None
 
@@ -497,7 +512,7 @@ def build_tiny_tokenizer():
 
 
 def build_tiny_model(tokenizer):
-    """A 2-layer Llama with 128-wide hidden states (about 0.3M parameters), random init from the current seed."""
+    """A 2-layer Llama with 128-wide hidden states (about 0.5M parameters), random init from the current seed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -530,11 +545,13 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
     return model, tokenizer
 
 
-def disable_dropout(model: torch.nn.Module) -> None:
+def disable_dropout(model: torch.nn.Module) -> dict:
     """Dropout makes the training log-probs differ from the sampler's and from the reference's (TRL #3500), and
     two training passes differ from each other (the PPO ratio would compare two dropout draws). Zeroes every
     nn.Dropout (peft's adapter dropout is one) and the rates that attention layers apply themselves
-    (transformers' `self.attention_dropout`, read in train mode), and those in the config."""
+    (transformers' `self.attention_dropout`, read in train mode), and those in the config (GPT-Neo and Persimmon
+    read `config.attention_dropout` in their forward). Returns the config's rates as they were: the saved
+    config.json keeps them, so that whoever trains the result further gets the model's dropout back."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -542,9 +559,12 @@ def disable_dropout(model: torch.nn.Module) -> None:
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
     config = getattr(model, "config", None)
+    original_rates = {}
     for name, value in (list(vars(config).items()) if config is not None else ()):
         if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            original_rates[name] = value
             setattr(config, name, 0.0)
+    return original_rates
 
 
 def encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool, max_prompt_length: int,
@@ -1004,9 +1024,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Optional[dict],
+def update_json(path: str, values: dict) -> None:
+    with open(path) as f:
+        contents = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**contents, **values}, f, indent=2, sort_keys=True)
+
+
+def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Optional[dict], saved_config: dict,
                     state_dict: Optional[dict] = None, base_model=None) -> None:
     """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact.
+    saved_config: values config.json gets in place of the training-time ones (dropout rates, use_cache).
     state_dict: the gathered weights of a sharded model (FSDP), which the model cannot read itself.
     base_model: an adapter's base that exists nowhere else (the tiny model), saved in base/ beside the adapter."""
     temporary = path.rstrip("/") + ".tmp"
@@ -1015,11 +1043,11 @@ def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Opti
     model.save_pretrained(temporary, max_shard_size="1000GB", state_dict=state_dict)
     if base_model is not None:  # the adapter then loads as it is: peft finds its base by this path
         base_model.save_pretrained(os.path.join(temporary, "base"))
-        with open(os.path.join(temporary, "adapter_config.json")) as f:
-            adapter_config = json.load(f)
-        adapter_config["base_model_name_or_path"] = os.path.abspath(os.path.join(path, "base"))
-        with open(os.path.join(temporary, "adapter_config.json"), "w") as f:
-            json.dump(adapter_config, f, indent=2)
+        update_json(os.path.join(temporary, "adapter_config.json"),
+                    {"base_model_name_or_path": os.path.abspath(os.path.join(path, "base"))})
+    for config_path in (os.path.join(temporary, "config.json"), os.path.join(temporary, "base", "config.json")):
+        if os.path.exists(config_path):  # (an adapter of a hub model writes none)
+            update_json(config_path, saved_config)
     tokenizer.save_pretrained(temporary)
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump({"script": "grpo.py", **asdict(args)}, f, indent=2)
@@ -1196,7 +1224,9 @@ def train(args: Args) -> dict:
             if unexpected or set(missing) - tied:
                 raise UserError(f"--resume-from {resume_path}: its weights do not fit {args.model} "
                                 f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
-    disable_dropout(model)  # after peft has wrapped the model, so that its adapters' dropout goes too
+    # after peft has wrapped the model, so that its adapters' dropout goes too; use_cache is off for gradient
+    # checkpointing in training, and on for whoever loads the saved model and generates
+    saved_config = {**disable_dropout(model), "use_cache": True}
     if args.fsdp:  # each process keeps 1/N of the weights, moved to its GPU shard by shard
         shard_model(model, device, dtype)
         if reference is not None:
@@ -1347,7 +1377,7 @@ def train(args: Args) -> dict:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(), "dtype": str(dtype),
-                "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p]}, weights)
+                "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p]}, saved_config, weights)
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
@@ -1623,8 +1653,8 @@ def train(args: Args) -> dict:
         eval_accuracy = run_eval(start_step + len(step_times))
         weights = full_state_dicts(model)[0] if args.fsdp else None
         if is_main:
-            model.config.use_cache = True  # off for gradient checkpointing in training; whoever loads it generates
-            save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None, weights, tiny_base)
+            save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None, saved_config, weights,
+                            tiny_base)
     steps_done = len(step_times)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     update_time = max(timings["update"], 1e-9)

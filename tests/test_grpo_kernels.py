@@ -1212,6 +1212,10 @@ def test_generate_never_feeds_back_the_last_token():
     ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # nested braces: not the last number, 2
     ("so \\boxed{\\frac{1}{2}}", "2", 0.0),
     ("\\boxed{-\\dfrac{3}{4}}", "-0.75", 1.0),
+    ("\\boxed{2\\frac{1}{2}}", "2.5", 1.0),  # a mixed number, not 21/2
+    ("\\boxed{2\\frac{1}{2}}", "10.5", 0.0),
+    ("\\boxed{-1 \\tfrac{3}{4}}", "-1.75", 1.0),
+    ("\\boxed{x^2\\frac{1}{2}}", "2.5", 0.0),  # an exponent is no whole part
     ("\\boxed{7} then 8", "7", 1.0),  # the boxed answer wins over a later number
     ("#### 5 \\boxed{6}", "5", 1.0),
     ("no number here", "3", 0.0),

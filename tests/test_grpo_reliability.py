@@ -32,7 +32,7 @@ def bad_rows_file(tmp_path: Path, text: str) -> str:
 
 def latin1_file(tmp_path: Path) -> str:
     path = tmp_path / "rows.jsonl"
-    path.write_bytes('{"prompt": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
+    path.write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
     return str(path)
 
 
@@ -59,7 +59,7 @@ BAD_INPUTS = {
                                  "--max-new-tokens must be at least 1"),
     "delta inside the clip range": (lambda tmp: ["--delta", "1.1"], "--delta 1.1 must be above"),
     "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "not a checkpoint written by grpo.py"),
-    "not utf-8": (lambda tmp: ["--data-path", latin1_file(tmp)], "rows.jsonl is not UTF-8 text"),
+    "not utf-8": (lambda tmp: ["--data-path", latin1_file(tmp)], "rows.jsonl:2: not UTF-8 text"),
     "prompt too long, named by line": (
         lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": "1"}\n\n{"prompt": "1+1+1+1", '
                      '"answer": "4"}\n'), "--max-prompt-length", "4"], "rows.jsonl:3: the prompt is 8 tokens"),
@@ -263,16 +263,22 @@ def test_bf16_resume_is_exact_and_resume_flags_win(tmp_path):
     assert any(not torch.equal(other[name], final[name]) for name in final)
 
 
-def test_a_model_configured_with_dropout_trains_without_it(tmp_path):
+@pytest.mark.parametrize("lora_r", ["4", "0"])
+def test_a_model_configured_with_dropout_trains_without_it(tmp_path, lora_r):
     """A config's attention_dropout is applied by the attention layers themselves, in train mode: left on, the
     training pass's log-probs of the sampled tokens would differ from the sampler's (eval mode) by a dropout draw
-    (measured: logp_gap_max 0.18-0.22); off, they agree to rounding."""
+    (measured: logp_gap_max 0.18-0.22); off, they agree to rounding. The saved models keep the configured rate."""
     model_dir = save_tiny(tmp_path / "model")
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
     out = tmp_path / "out"
-    run_grpo(out, *QUICK, "--total-steps", "2", "--model", str(model_dir), "--lora-r", "4", "--no-chat-template")
+    run_grpo(out, *QUICK, "--total-steps", "2", "--model", str(model_dir), "--lora-r", lora_r, "--no-chat-template",
+             "--save-every", "1")
     assert all(row["logp_gap_max"] < 1e-4 for row in read_metrics(out))
+    if lora_r == "0":  # (an adapter saves no config of its own)
+        for saved in ("checkpoint-2", "final"):
+            saved_config = json.loads((out / saved / "config.json").read_text())
+            assert saved_config["attention_dropout"] == 0.3 and saved_config["use_cache"] is True
 
 
 def test_resume_continues_the_checkpoints_run(tmp_path, capsys, monkeypatch):
