@@ -332,16 +332,16 @@ def make_solution(rng: random.Random, min_steps: int = 3, max_steps: int = 6, p_
 
 
 def builtin_task(seed: int, num_val: int, num_eval: int, num_train: int = 10000) -> tuple[list, list, list]:
-    """Distinct built-in rows, split into train, validation (threshold choice) and eval: no held-out row is
-    a training row."""
+    """Distinct built-in rows, split into train, validation (threshold choice) and eval: no held-out row is a
+    training row. Rows are drawn in order and split in that order, so the training rows are the same whatever
+    --num-val-rows and --num-eval-rows are, and the validation rows whatever --num-eval-rows is."""
     rng = random.Random(seed)
     unique: dict[tuple, dict] = {}
     while len(unique) < num_train + num_val + num_eval:
         row = make_solution(rng)
         unique.setdefault((row["prompt"], *row["completions"]), row)
-    rows = list(unique.values())
-    rng.shuffle(rows)
-    return rows[num_val + num_eval:], rows[num_eval:num_eval + num_val], rows[:num_eval]
+    rows = list(unique.values())  # in the order drawn: each row is already a random draw
+    return rows[:num_train], rows[num_train:num_train + num_val], rows[num_train + num_val:]
 
 
 def parse_row(line: str, need_labels: bool) -> dict:
@@ -1294,9 +1294,8 @@ def train(args: Args) -> dict:
     if resume_path:
         state = load_trainer_state(resume_path)
         if state.get("data_fingerprint") != fingerprint:
-            # the built-in training rows are those left after the validation and eval rows: both counts shape them
             cause = ("same --data-path and --num-val-rows, but the file changed?" if args.data_path else
-                     "with the built-in data they follow --num-val-rows and --num-eval-rows: these must match")
+                     "the built-in rows changed: a checkpoint of another version of prm.py?")
             raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's ({cause}); "
                             "resume on the same data")
         saved_dtype, compute_dtype = state.get("dtype"), str(dtype).removeprefix("torch.")

@@ -523,17 +523,27 @@ def test_resuming_an_earlier_checkpoint_drops_the_later_ones(tmp_path, capsys, m
     assert not (out / "final").exists() and not (out / "summary.json").exists()
 
 
-def test_resuming_the_builtin_data_with_other_eval_rows_names_the_flags(tmp_path, capsys):
-    # the built-in training rows are those after the eval rows: another --num-eval-rows changes them
+def test_builtin_training_rows_do_not_depend_on_the_held_out_counts():
+    train, val, evaluation = prm.builtin_task(seed=3, num_val=20, num_eval=30, num_train=200)
+    other_train, other_val, other_evaluation = prm.builtin_task(seed=3, num_val=20, num_eval=50, num_train=200)
+    assert other_train == train and other_val == val and other_evaluation[:30] == evaluation
+    assert prm.builtin_task(seed=3, num_val=7, num_eval=0, num_train=200)[0] == train
+    assert (len(train), len(val), len(evaluation)) == (200, 20, 30)
+    key = lambda row: (row["prompt"], *row["completions"])  # noqa: E731
+    assert not {key(row) for row in train} & {key(row) for row in val + other_evaluation}
+    assert not {key(row) for row in val} & {key(row) for row in other_evaluation}
+
+
+def test_resuming_the_builtin_data_with_other_eval_rows_keeps_the_training_rows(tmp_path, capsys):
+    # before, the training rows were those left after the held-out ones: another --num-eval-rows changed them
     out = tmp_path / "out"
     flags = ["--output-dir", str(out), "--batch-size", "4", "--eval-every", "0", "--num-val-rows", "4",
              "--num-eval-rows", "4", "--save-every", "1", "--total-steps", "1"]
     code, err = run_main(flags, capsys)
     assert code == 0, err
     code, err = run_main([*flags, "--num-eval-rows", "5", "--total-steps", "2", "--resume-from", "latest"], capsys)
-    assert code == 2 and err == (f"error: --resume-from {out / 'checkpoint-1'}: the training rows differ from the "
-                                 "checkpoint's (with the built-in data they follow --num-val-rows and "
-                                 "--num-eval-rows: these must match); resume on the same data\n")
+    assert code == 0, err
+    assert read_summary(out)["eval_rows"] == 5
 
 
 def test_resuming_with_another_dtype_is_refused_by_name(tmp_path, capsys):
