@@ -33,6 +33,7 @@ Run it:
 import contextlib
 import copy
 import functools
+import hashlib
 import json
 import math
 import os
@@ -182,7 +183,8 @@ class Args:
     save_every: int = 0
     """write a checkpoint every this many steps (0 = only the final model)"""
     resume_from: Optional[str] = None
-    """a checkpoint-STEP directory written by this script, or `latest` (the newest in --output-dir), to continue"""
+    """a checkpoint-STEP or final directory written by this script, or `latest` (the newest of those in
+    --output-dir), to continue; from final, with a higher --total-steps, a finished run is taken further"""
     keep_checkpoints: int = 2
     """how many checkpoint-STEP directories to keep (older ones are deleted)"""
     overwrite: bool = False
@@ -377,11 +379,17 @@ def builtin_task(seed: int, num_eval: int) -> tuple[list[dict], list[dict]]:
 
 def load_jsonl_prompts(path: str) -> list[dict]:
     """Rows {"prompt": str, "answer": str}; an invalid row is an error that names the file and line."""
-    if not os.path.isfile(path):
-        raise UserError(f"data file {path!r} does not exist; pass a JSONL file of {{\"prompt\", \"answer\"}} rows")
+    what = 'a JSONL file of {"prompt", "answer"} rows'
+    if not os.path.exists(path):
+        raise UserError(f"data file {path!r} does not exist; pass {what}")
+    if os.path.isdir(path):
+        raise UserError(f"data file {path!r} is a directory; pass {what}")
     rows = []
-    with open(path, "rb") as f:  # bytes, decoded line by line: a non-UTF-8 line is reported with its number
-        lines = f.readlines()
+    try:
+        with open(path, "rb") as f:  # bytes, decoded line by line: a non-UTF-8 line is reported with its number
+            lines = f.readlines()
+    except OSError as error:
+        raise UserError(f"cannot read data file {path!r}: {error.strerror or error}") from None
     for line_number, raw_line in enumerate(lines, start=1):
         try:
             line = raw_line.decode("utf-8")
@@ -1031,7 +1039,7 @@ def update_json(path: str, values: dict) -> None:
         json.dump({**contents, **values}, f, indent=2, sort_keys=True)
 
 
-def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Optional[dict], saved_config: dict,
+def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: dict, saved_config: dict,
                     state_dict: Optional[dict] = None, base_model=None) -> None:
     """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact.
     saved_config: values config.json gets in place of the training-time ones (dropout rates, use_cache).
@@ -1051,8 +1059,7 @@ def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: Opti
     tokenizer.save_pretrained(temporary)
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump({"script": "grpo.py", **asdict(args)}, f, indent=2)
-    if trainer_state is not None:
-        torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
+    torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(temporary, path)
@@ -1067,6 +1074,16 @@ def checkpoint_steps(output_dir: str) -> list[int]:
                       os.path.join(output_dir, name, "trainer_state.pt")))
 
 
+def final_step(output_dir: str) -> Optional[int]:
+    """The step of output_dir/final when a run can be taken further from it (it holds a trainer state), else
+    None. A final model is written only when a run reaches its --total-steps."""
+    final = os.path.join(output_dir, "final")
+    if not os.path.isfile(os.path.join(final, "trainer_state.pt")):
+        return None
+    with open(os.path.join(final, "args.json")) as f:
+        return json.load(f)["total_steps"]
+
+
 # what a checkpoint must agree on with the run that resumes from it
 RESUME_MUST_MATCH = ("model", "data_path", "lora_r", "lora_target_modules", "prompts_per_step", "group_size",
                      "num_iterations", "loss_type", "kl_coef", "seed", "fsdp")
@@ -1077,12 +1094,13 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     if args.resume_from is None:
         return None
     path = args.resume_from
-    if path == "latest":
-        steps = checkpoint_steps(output_dir)
-        if not steps:
-            raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir} (pass the run's "
-                            "--output-dir)")
-        path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
+    if path == "latest":  # the newest of the checkpoints and the final model
+        steps, final = checkpoint_steps(output_dir), final_step(output_dir)
+        if not steps and final is None:
+            raise UserError(f"--resume-from latest: no checkpoint-* or final directory in {output_dir} (pass the "
+                            "run's --output-dir)")
+        newest_is_final = final is not None and (not steps or final >= steps[-1])
+        path = os.path.join(output_dir, "final" if newest_is_final else f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
     if not os.path.isfile(args_file) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
         raise UserError(f"--resume-from {path}: not a checkpoint written by grpo.py (no args.json and "
@@ -1258,6 +1276,8 @@ def train(args: Args) -> dict:
         train_rows, eval_rows = load_jsonl_prompts(args.data_path), []
     if args.eval_data_path:  # replaces the built-in held-out prompts too
         eval_rows = load_jsonl_prompts(args.eval_data_path)[:args.num_eval_prompts]
+    # a short hash of the training rows, kept with the trainer state: resuming on other rows is an error
+    fingerprint = hashlib.sha256(json.dumps([[r["prompt"], r["answer"]] for r in train_rows]).encode()).hexdigest()[:16]
     # every prompt checked now, before anything is written: too long, empty, or no room left to complete it
     longest = max(len(ids) for ids in encode_prompts(
         tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template, args.max_prompt_length,
@@ -1296,6 +1316,10 @@ def train(args: Args) -> dict:
         if state.get("dtype", str(dtype)) != str(dtype):  # (bf16 `auto` on a GPU, float32 on a CPU)
             raise UserError(f"--resume-from {resume_path}: the checkpoint's run computed in {state['dtype']}, this "
                             f"one in {dtype}: pass the same --dtype")
+        if state.get("data", fingerprint) != fingerprint:  # (older checkpoints do not record it)
+            cause = ("the same --data-path, but the file changed?" if args.data_path else
+                     "the built-in task holds out --num-eval-prompts of its prompts: pass the checkpoint's")
+            raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's ({cause})")
         if args.fsdp and state["optimizer"] is not None:  # saved whole (keyed by name): each process keeps its shard
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -1325,7 +1349,10 @@ def train(args: Args) -> dict:
         set_rng_state(state["rng"])
         # nothing left to train: the final model and summary stay as they are (without final/, a signal stopped the
         # run in its last step, and it goes on to the final evaluation and model)
-        if start_step >= args.total_steps and os.path.isdir(os.path.join(output_dir, "final")):
+        if start_step > args.total_steps:
+            raise UserError(f"--resume-from {resume_path} is at step {start_step}, past --total-steps "
+                            f"{args.total_steps}: raise --total-steps, or resume from an earlier checkpoint")
+        if start_step == args.total_steps and os.path.isdir(os.path.join(output_dir, "final")):
             print0(f"{resume_path} is at step {start_step}: the run already reached --total-steps "
                    f"{args.total_steps}; nothing to do (raise --total-steps to train further)", enabled=is_main)
             if distributed:
@@ -1350,7 +1377,10 @@ def train(args: Args) -> dict:
             # checkpoints, nor a resume after a last-step signal take its final model for this run's
             for later in (step for step in checkpoint_steps(output_dir) if step > start_step):
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{later}"))
-            shutil.rmtree(os.path.join(output_dir, "final"), ignore_errors=True)
+            # (a final model at or before the checkpoint is this run's own past, the one it resumes from even: it
+            # stays until this run writes its own)
+            if final_step(output_dir) is None or final_step(output_dir) > start_step:
+                shutil.rmtree(os.path.join(output_dir, "final"), ignore_errors=True)
             if os.path.isfile(os.path.join(output_dir, "summary.json")):
                 os.remove(os.path.join(output_dir, "summary.json"))
     console = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
@@ -1366,10 +1396,9 @@ def train(args: Args) -> dict:
            f"{dtype}, {device}; {args.world_size} process(es), {args.prompts_per_step} prompts x "
            f"{args.group_size} completions per step", enabled=is_main)
 
-    def checkpoint(step: int) -> str:
-        """checkpoint-STEP on rank 0, keeping the newest --keep-checkpoints (under FSDP every rank calls it: the
-        shards are gathered)."""
-        path = os.path.join(output_dir, f"checkpoint-{step}")
+    def save_run_state(path: str, step: int, base_model=None) -> None:
+        """The model and everything a resume needs, written on rank 0 (under FSDP every rank calls it: the shards
+        are gathered)."""
         # (under FSDP, gathering the state of an optimiser that has not stepped yet would make it take a step)
         weights, optimizer_state = (full_state_dicts(model, optimizer if optimizer.state else None) if args.fsdp
                                     else (None, optimizer.state_dict()))
@@ -1377,7 +1406,14 @@ def train(args: Args) -> dict:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(), "dtype": str(dtype),
-                "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p]}, saved_config, weights)
+                "data": fingerprint, "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p]},
+                saved_config, weights, base_model)
+
+    def checkpoint(step: int) -> str:
+        """checkpoint-STEP, keeping the newest --keep-checkpoints."""
+        path = os.path.join(output_dir, f"checkpoint-{step}")
+        save_run_state(path, step)
+        if is_main:
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
@@ -1651,10 +1687,8 @@ def train(args: Args) -> dict:
     total_time = time.perf_counter() - run_start
     if not interrupted:
         eval_accuracy = run_eval(start_step + len(step_times))
-        weights = full_state_dicts(model)[0] if args.fsdp else None
-        if is_main:
-            save_checkpoint(os.path.join(output_dir, "final"), model, tokenizer, args, None, saved_config, weights,
-                            tiny_base)
+        # with its trainer state, so that a finished run can be taken further (--resume-from DIR/final)
+        save_run_state(os.path.join(output_dir, "final"), start_step + len(step_times), tiny_base)
     steps_done = len(step_times)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     update_time = max(timings["update"], 1e-9)

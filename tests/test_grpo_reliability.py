@@ -60,6 +60,7 @@ BAD_INPUTS = {
     "delta inside the clip range": (lambda tmp: ["--delta", "1.1"], "--delta 1.1 must be above"),
     "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "not a checkpoint written by grpo.py"),
     "not utf-8": (lambda tmp: ["--data-path", latin1_file(tmp)], "rows.jsonl:2: not UTF-8 text"),
+    "data path is a directory": (lambda tmp: ["--data-path", str(tmp)], "is a directory; pass a JSONL file"),
     "prompt too long, named by line": (
         lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": "1"}\n\n{"prompt": "1+1+1+1", '
                      '"answer": "4"}\n'), "--max-prompt-length", "4"], "rows.jsonl:3: the prompt is 8 tokens"),
@@ -228,6 +229,47 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
 
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(interrupted / "final" / "model.safetensors")
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_a_finished_run_is_taken_further_from_its_final_model(tmp_path, capsys):
+    """final/ keeps the trainer state: a run that ended without checkpoints goes on from it with a higher
+    --total-steps (`latest` finds it), to the numbers of a run that went the whole way at once; final/ stays
+    until the longer run writes its own, and a checkpoint past --total-steps is refused."""
+    flags = [*QUICK, "--kl-coef", "0.05"]
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    run_grpo(straight, *flags, "--total-steps", "3")
+    run_grpo(extended, *flags, "--total-steps", "2")
+    assert grpo.checkpoint_steps(str(extended)) == [] and grpo.final_step(str(extended)) == 2
+    code, err = run_main([*flags, "--output-dir", str(extended), "--total-steps", "1", "--resume-from", "latest"],
+                         capsys)
+    assert code == 2 and "is at step 2, past --total-steps 1" in err
+    code, err = run_main([*flags, "--output-dir", str(extended), "--total-steps", "3", "--resume-from", "latest"],
+                         capsys)
+    assert code == 0, err
+    assert [row["step"] for row in read_metrics(extended)] == [1, 2, 3]
+    assert comparable(read_metrics(extended)) == comparable(read_metrics(straight))
+    assert grpo.final_step(str(extended)) == 3
+    from safetensors.torch import load_file
+
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(extended / "final" / "model.safetensors")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_resuming_on_other_training_rows_is_refused(tmp_path, capsys):
+    # the built-in task's training rows are the prompts not held out: another --num-eval-prompts changes them
+    run = tmp_path / "run"
+    run_grpo(run, *QUICK, "--total-steps", "1", "--save-every", "1")
+    code, err = run_main([*QUICK, "--output-dir", str(run), "--num-eval-prompts", "17", "--resume-from", "latest"],
+                         capsys)
+    assert code == 2 and "the training rows differ from the checkpoint's (the built-in task holds out" in err
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"prompt": "({n}+7)%10=", "answer": "{(n + 7) % 10}"}}\n' for n in range(100, 140)))
+    data_run = tmp_path / "data_run"
+    run_grpo(data_run, *QUICK, "--total-steps", "1", "--save-every", "1", "--data-path", str(rows))
+    rows.write_text(rows.read_text().replace('"answer": "7"', '"answer": "8"'))
+    code, err = run_main([*QUICK, "--output-dir", str(data_run), "--data-path", str(rows), "--resume-from", "latest"],
+                         capsys)
+    assert code == 2 and "(the same --data-path, but the file changed?)" in err
 
 
 def test_bf16_resume_is_exact_and_resume_flags_win(tmp_path):
