@@ -1231,6 +1231,16 @@ def train(args: Args) -> dict:
     # ---- model: backbone (+ LoRA) and reward head; a resumed run loads the checkpoint's weights over them
     # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
     prm, base_copy = build_prm(args, torch.float32 if args.fsdp else dtype)
+    config = prm.backbone.config
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if context and args.max_length > context:
+        # a learned table of positions (GPT-2's) has no row beyond it; rotary positions run on, untrained
+        learned = any(isinstance(module, torch.nn.Embedding) and module.num_embeddings == context
+                      and module is not prm.backbone.get_input_embeddings() for module in prm.backbone.modules())
+        message = f"--max-length {args.max_length} exceeds the model's {context} positions"
+        if learned:
+            raise UserError(f"{message}: pass --max-length {context} or less")
+        print0(f"warning: {message}, beyond which it was not trained", file=sys.stderr, enabled=is_main)
     if resume_path:
         load_checkpoint_weights(prm, resume_path, args.model)
     if args.fsdp:  # each process keeps 1/N of the weights (one copy in all: nothing to broadcast)

@@ -143,6 +143,26 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
     assert not out.exists()  # nothing written
 
 
+def test_max_length_beyond_the_models_positions(tmp_path, capsys):
+    """GPT-2 learns a table of positions and has no row past it: a --max-length beyond it is an error up front
+    (it was an IndexError at the first evaluation, after metrics.jsonl was created). Rotary positions run on past
+    the trained context: a warning, and the run goes on."""
+    from transformers import GPT2Config, GPT2Model
+
+    tokenizer = prm.build_tiny_tokenizer()
+    gpt2 = tmp_path / "gpt2"
+    GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tokenizer), n_positions=16)
+              ).save_pretrained(gpt2)
+    tokenizer.save_pretrained(gpt2)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--model", str(gpt2), "--max-length", "64"], capsys)
+    assert code == 2 and err.endswith("error: --max-length 64 exceeds the model's 16 positions: pass --max-length 16 "
+                                      "or less\n")
+    assert not out.exists()
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "1", "--max-length", "2048"], capsys)
+    assert code == 0 and "warning: --max-length 2048 exceeds the model's 1024 positions" in err
+
+
 def test_scoring_mode_bad_inputs(tmp_path, capsys):
     data = rows_file(tmp_path, '{"prompt": "p", "completions": ["a"]}')
     scores = tmp_path / "scores.jsonl"
