@@ -1,0 +1,338 @@
+"""grpo.py's flags reach what they control: each test runs train() in this process on the tiny model for 1-3 steps,
+spies on the kernel or library call a flag is meant to change (calling through), and checks the behaviour, so that a
+flag that stopped being passed on inside train() fails here even though the kernels' own tests still pass."""
+
+import json
+import statistics
+import types
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import grpo
+from test_grpo_reliability import run_main
+from test_grpo_runs import QUICK, read_metrics, read_summary, save_tiny
+
+# one step of 4 prompts x 4 completions, no held-out evaluation (so reward functions only see training samples)
+ONE_STEP = [*QUICK, "--total-steps", "1", "--num-eval-prompts", "0"]
+
+
+@pytest.fixture(autouse=True)
+def no_matmul_benchmark(monkeypatch):
+    """The summary times square matmuls for half a second at the end of every run; nothing here reads it."""
+    monkeypatch.setattr(grpo, "matmul_flops_per_s", lambda *args, **kwargs: 1e12)
+
+
+def train_in_process(out, argv, capsys):
+    code, err = run_main(["--output-dir", str(out), *argv], capsys)
+    assert code == 0, err[-3000:]
+    return read_metrics(out)
+
+
+def spy_on(monkeypatch, name: str, record):
+    """Replace grpo.<name> by a wrapper that calls through and hands (args, kwargs, result) to record."""
+    real = getattr(grpo, name)
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        record(args, kwargs, result)
+        return result
+
+    monkeypatch.setattr(grpo, name, spy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. --mask-truncated-completions
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_mask_truncated_completions_leaves_them_out_of_the_normaliser(mask_truncated, tmp_path, capsys, monkeypatch):
+    """With --max-new-tokens 1 a completion is one token: EOS (ended) or anything else (truncated). The loss's token
+    normaliser (grpo_loss's total_tokens, dapo's M) and its mask count only EOS-ended completions with the flag, every
+    completion without it; truncated_frac is the fraction of non-EOS completions either way."""
+    rollouts, losses = [], []
+    spy_on(monkeypatch, "generate", lambda args, kwargs, result: rollouts.append((result[0].clone(), kwargs["eos_ids"]))
+           if kwargs.get("generators") is not None else None)  # sampled rollouts only, not greedy evaluation
+    spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: losses.append(
+        (kwargs["total_tokens"], args[4].detach().clone())))
+    # 3 steps of 8 x 8 completions: about 1 in 20 is EOS on the random-init model, so both kinds occur
+    flags = [*QUICK, "--prompts-per-step", "8", "--group-size", "8", "--num-eval-prompts", "0", "--max-new-tokens", "1",
+             "--kl-coef", "0"]
+    if mask_truncated:
+        flags.append("--mask-truncated-completions")
+    metrics = train_in_process(tmp_path / "run", flags, capsys)
+    assert len(rollouts) == len(losses) == len(metrics) == 3  # one micro-batch, one iteration per step
+    all_ended = 0
+    for (ids, eos_ids), (total_tokens, mask), row in zip(rollouts, losses, metrics):
+        assert ids.shape == (64, 1)
+        ended = torch.isin(ids[:, 0], torch.tensor(eos_ids))  # [B]
+        all_ended += int(ended.sum())
+        assert row["truncated_frac"] == pytest.approx(1.0 - ended.float().mean().item())
+        expected_mask = ended.float() if mask_truncated else torch.ones(64)
+        assert total_tokens == expected_mask.sum().item(), (
+            f"grpo_loss normalised by {total_tokens} tokens; expected {expected_mask.sum().item()} "
+            f"({'only EOS-ended' if mask_truncated else 'every'} completion)")
+        assert torch.equal(mask[:, 0].float(), expected_mask)
+    # the run must have both kinds of completion, or the test would not tell the two settings apart
+    assert 0 < all_ended < 3 * 64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. frac_zero_std_groups
+
+
+def test_equal_rewards_make_every_group_zero_std_and_no_gradient(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(grpo, "answer_reward", lambda completion, answer: 1.0)
+    monkeypatch.setattr(grpo, "format_reward", lambda completion, answer: 0.5)
+    advantages = []
+    spy_on(monkeypatch, "group_advantages", lambda args, kwargs, result: advantages.append(result.clone()))
+    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "2", "--num-eval-prompts", "0",
+                                                  "--kl-coef", "0"], capsys)
+    assert len(advantages) == 2 and all(torch.equal(a, torch.zeros(16)) for a in advantages)
+    for row in metrics:
+        assert row["frac_zero_std_groups"] == 1.0
+        assert row["reward"] == pytest.approx(1.05) and row["reward_std"] == 0.0
+        assert row["loss"] == 0.0 and row["grad_norm"] == 0.0  # no advantage, no KL: nothing to learn
+
+
+def test_rewards_that_differ_in_every_group_make_no_zero_std_group(tmp_path, capsys, monkeypatch):
+    calls = {"n": 0}
+
+    def alternating(completion: str, answer: str) -> float:  # 0, 1, 0, 1 within every group of 4
+        calls["n"] += 1
+        return float(calls["n"] % 2)
+
+    monkeypatch.setattr(grpo, "answer_reward", alternating)
+    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "2", "--num-eval-prompts", "0",
+                                                  "--format-reward-weight", "0", "--kl-coef", "0"], capsys)
+    assert calls["n"] == 32
+    for row in metrics:
+        assert row["frac_zero_std_groups"] == 0.0 and row["reward"] == 0.5
+        assert row["grad_norm"] > 0.0
+
+
+def test_frac_zero_std_groups_counts_only_the_equal_groups(tmp_path, capsys, monkeypatch):
+    """Two groups of four with equal rewards, two with differing ones: 0.5."""
+    pattern = [1, 1, 1, 1, 0, 1, 0, 0, 2, 2, 2, 2, 0, 0, 0, 3]
+    calls = {"n": 0}
+
+    def patterned(completion: str, answer: str) -> float:
+        calls["n"] += 1
+        return float(pattern[(calls["n"] - 1) % 16])
+
+    monkeypatch.setattr(grpo, "answer_reward", patterned)
+    (row,) = train_in_process(tmp_path / "run", [*ONE_STEP, "--format-reward-weight", "0", "--kl-coef", "0"], capsys)
+    assert row["frac_zero_std_groups"] == 0.5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. --max-grad-norm
+
+
+def grad_norms_seen_by_the_optimiser(run):
+    """Run `run()` while a global optimizer step pre-hook records the norm of every gradient the step is given."""
+    norms = []
+
+    def hook(optimizer, args, kwargs):
+        grads = [p.grad.detach().double().reshape(-1) for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        norms.append(torch.cat(grads).norm().item())
+
+    handle = register_optimizer_step_pre_hook(hook)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return norms
+
+
+@pytest.mark.parametrize("limit", ["1e-3", "0", "1e9"])
+def test_max_grad_norm_clips_what_the_optimiser_steps_on(limit, tmp_path, capsys):
+    out = tmp_path / "run"
+    norms = grad_norms_seen_by_the_optimiser(lambda: train_in_process(
+        out, [*QUICK, "--total-steps", "2", "--num-eval-prompts", "0", "--max-grad-norm", limit], capsys))
+    metrics = read_metrics(out)
+    assert len(norms) == len(metrics) == 2
+    for norm, row in zip(norms, metrics):
+        assert row["grad_norm"] > 1e-2  # the norm before clipping (logged), far above the tiny limit
+        if limit == "1e-3":
+            assert norm <= 1e-3 * (1 + 1e-4), f"the optimiser stepped on a gradient of norm {norm} > --max-grad-norm 1e-3"
+            assert norm == pytest.approx(1e-3, rel=1e-3)  # scaled down to the limit, not zeroed
+        else:  # 0 = off, and a limit above the norm: the gradient is left as it is
+            assert norm == pytest.approx(row["grad_norm"], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. sampling flags, the KL estimator and reward scaling, end to end
+
+
+@pytest.mark.parametrize("sampling", [["--temperature", "0.7", "--top-k", "5"], ["--temperature", "1.3", "--top-p", "0.9"]])
+def test_sampling_temperature_reaches_the_training_and_reference_passes(sampling, tmp_path, capsys, monkeypatch):
+    """At step 1, with one iteration, the training pass, the sampler and the reference policy are the same weights: if
+    every pass divides the logits by the same temperature, their log-probs agree. A training (or reference) pass that
+    forgot the temperature shows as a log-prob gap (or a KL) far above rounding."""
+    seen = []
+    spy_on(monkeypatch, "generate", lambda args, kwargs, result: seen.append(kwargs)
+           if kwargs.get("generators") is not None else None)
+    (row,) = train_in_process(tmp_path / "run", [*ONE_STEP, "--kl-coef", "0.05", *sampling], capsys)
+    assert row["logp_gap_max"] < 1e-4, f"training and sampler log-probs differ by {row['logp_gap_max']}"
+    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert row["kl_mean"] == pytest.approx(0.0, abs=1e-6), f"policy and reference differ at step 1: {row['kl_mean']}"
+    flags = dict(zip(sampling[::2], sampling[1::2]))
+    (kwargs,) = seen
+    assert kwargs["temperature"] == float(flags["--temperature"])
+    assert kwargs["top_k"] == int(flags.get("--top-k", 0)) and kwargs["top_p"] == float(flags.get("--top-p", 1.0))
+
+
+@pytest.mark.parametrize("sampling", [[], ["--top-k", "1"], ["--top-p", "0.01"]])
+def test_top_k_1_and_a_tiny_top_p_sample_greedily(sampling, tmp_path, capsys, monkeypatch):
+    """top-k 1, or a nucleus smaller than the most likely token's probability, leaves one token to draw: every
+    completion of a group is the same, and equal to greedy decoding; plain sampling gives different ones."""
+    texts = []
+    spy_on(monkeypatch, "decode_completions", lambda args, kwargs, result: texts.append(result))
+    (row,) = train_in_process(tmp_path / "run", [*ONE_STEP, "--max-new-tokens", "3", *sampling], capsys)
+    (completions,) = texts
+    groups = [completions[i:i + 4] for i in range(0, 16, 4)]
+    if sampling:
+        assert all(len(set(group)) == 1 for group in groups), groups
+        assert row["frac_zero_std_groups"] == 1.0
+    else:
+        assert all(len(set(group)) > 1 for group in groups), groups
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2"])
+def test_kl_estimator_reaches_the_loss(estimator, tmp_path, capsys, monkeypatch):
+    """At step 2 the policy has moved away from its reference; the logged kl_mean is the chosen estimator's masked
+    mean of the log-probs grpo_loss was given, and not k3's."""
+    calls = []
+    spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: calls.append(
+        (args[0].detach().double(), args[2].double(), args[4].double(), result[1]["kl_mean"].item())))
+    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "2", "--num-eval-prompts", "0",
+                                                  "--kl-coef", "0.05", "--learning-rate", "1e-2",
+                                                  "--kl-estimator", estimator], capsys)
+    logp, ref_logp, mask, kl_mean = calls[-1]
+    x = (ref_logp - logp) * mask
+    naive = {"k1": -x, "k2": 0.5 * x**2, "k3": torch.expm1(x) - x}
+    means = {name: ((value * mask).sum() / mask.sum()).item() for name, value in naive.items()}
+    assert abs(means[estimator] - means["k3"]) > 1e-4  # the step moved the policy enough to tell them apart
+    assert kl_mean == pytest.approx(means[estimator], rel=1e-4, abs=1e-7), (estimator, kl_mean, means)
+    assert metrics[1]["kl_mean"] == pytest.approx(means[estimator], rel=1e-4, abs=1e-7)
+
+
+def naive_advantages(rewards: list[float], group_size: int, scale: str, eps: float = 1e-4) -> list[float]:
+    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
+    batch_std = statistics.stdev(rewards)
+    out = []
+    for group in groups:
+        mean = sum(group) / len(group)
+        std = {"group": statistics.stdev(group), "batch": batch_std, "none": None}[scale]
+        for r in group:
+            if max(group) == min(group):
+                out.append(0.0)
+            else:
+                out.append((r - mean) / (std + eps) if std is not None else r - mean)
+    return out
+
+
+# groups of four: two different scales, one all-equal group, one with a single outlier
+REWARD_PATTERN = [0, 1, 0, 1, 0, 3, 3, 6, 2, 2, 2, 2, 0.5, -1, 4, 0]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_scale_rewards_reaches_the_advantages_and_the_loss(scale, tmp_path, capsys, monkeypatch):
+    calls = {"n": 0}
+
+    def patterned(completion: str, answer: str) -> float:
+        calls["n"] += 1
+        return float(REWARD_PATTERN[(calls["n"] - 1) % 16])
+
+    monkeypatch.setattr(grpo, "answer_reward", patterned)
+    seen, loss_advantages = [], []
+    spy_on(monkeypatch, "group_advantages", lambda args, kwargs, result: seen.append((args, kwargs, result.clone())))
+    spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: loss_advantages.append(args[3].clone()))
+    train_in_process(tmp_path / "run", [*ONE_STEP, "--format-reward-weight", "0", "--scale-rewards", scale], capsys)
+    (((rewards, group_size, *rest), kwargs, advantages),) = seen
+    assert rewards.tolist() == REWARD_PATTERN and group_size == 4
+    assert (rest[0] if rest else kwargs.get("scale")) == scale
+    expected = naive_advantages([float(r) for r in REWARD_PATTERN], 4, scale)
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    (given,) = loss_advantages
+    assert given.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)  # what the loss was given
+
+
+def test_the_three_scalings_give_different_advantages():
+    """The recomputation above would not catch a mixed-up scale if the pattern made two of them agree."""
+    results = [naive_advantages([float(r) for r in REWARD_PATTERN], 4, s) for s in ("group", "batch", "none")]
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert max(abs(a - b) for a, b in zip(results[i], results[j])) > 0.1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. the reference policy: a frozen copy only for full fine-tuning with KL
+
+
+@pytest.mark.parametrize("flags, copies", [
+    (["--lora-r", "4", "--kl-coef", "0.05"], 0),  # the base model with the adapter switched off
+    (["--lora-r", "0", "--kl-coef", "0"], 0),  # no reference at all
+    (["--lora-r", "0", "--kl-coef", "0.05"], 1),  # one frozen copy
+])
+def test_reference_policy_is_copied_only_when_needed(flags, copies, tmp_path, capsys, monkeypatch):
+    model_dir = save_tiny(tmp_path / "tiny-saved")  # not --model tiny: its LoRA runs keep a copy of the base to save
+    copied = []
+
+    def counting_deepcopy(obj, *args, **kwargs):
+        copied.append(type(obj).__name__)
+        return copy_module.deepcopy(obj, *args, **kwargs)
+
+    copy_module = grpo.copy
+    # only grpo's own `copy` name: transformers and peft deep-copy configs through the real module
+    monkeypatch.setattr(grpo, "copy", types.SimpleNamespace(deepcopy=counting_deepcopy))
+    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "2", "--num-eval-prompts", "0",
+                                                  "--model", str(model_dir), "--learning-rate", "1e-2", *flags], capsys)
+    assert len(copied) == copies, copied
+    if "0.05" in flags:  # there is a reference, and it is not the moving policy
+        assert metrics[0]["kl_mean"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["kl_mean"] > 1e-6
+    else:
+        assert all(row["kl_mean"] == 0.0 for row in metrics)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. --eval-every
+
+
+def test_eval_every_logs_eval_accuracy_before_the_last_step(tmp_path, capsys, monkeypatch):
+    """README: `eval_accuracy` every --eval-every steps before the last (the start and end values are in
+    summary.json); the held-out evaluation runs at the start, after steps 1 and 2, and at the end."""
+    accuracies = []
+    spy_on(monkeypatch, "evaluate", lambda args, kwargs, result: accuracies.append(result[0]))
+    out = tmp_path / "run"
+    metrics = train_in_process(out, [*QUICK, "--total-steps", "3", "--eval-every", "1", "--num-eval-prompts", "8"],
+                               capsys)
+    assert len(accuracies) == 4
+    assert [row["step"] for row in metrics] == [1, 2, 3]
+    assert [row.get("eval_accuracy") for row in metrics[:2]] == accuracies[1:3]
+    assert "eval_accuracy" not in metrics[2]
+    summary = read_summary(out)
+    assert summary["eval_accuracy_start"] == accuracies[0] and summary["eval_accuracy_end"] == accuracies[3]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. wandb failing to start
+
+
+def test_wandb_that_cannot_start_is_a_warning(tmp_path, capsys, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+
+    def failing_init(*args, **kwargs):
+        raise RuntimeError("no network in this test")
+
+    monkeypatch.setattr(wandb, "init", failing_init)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = tmp_path / "run"
+    code, err = run_main(["--output-dir", str(out), *ONE_STEP, "--track"], capsys)
+    assert code == 0, err[-3000:]
+    assert ("WARNING: wandb could not start (RuntimeError: no network in this test); continuing without it."
+            in err), err[-3000:]
+    assert len(read_metrics(out)) == 1 and json.loads((out / "summary.json").read_text())["steps"] == 1

@@ -1,0 +1,271 @@
+"""prm.py: flags and entry points that are easy to break without any other test noticing. --epochs sets the number
+of steps and shows every row the promised number of times; --gradient-checkpointing is really on and changes
+nothing but memory; --max-grad-norm bounds the gradient the optimiser applies; importing prm does nothing; a wandb
+that cannot start costs a warning, not the run; train() returns what summary.json holds. All runs are in-process,
+on a small data file, 1-10 steps of the tiny model."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import prm
+from test_prm import REPO_ROOT, builtin_rows, read_metrics, read_summary, write_rows
+from test_prm_reliability import run_main
+
+# wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
+TIMING_KEYS = {"step_time_s", "memory_mb"}
+# what the spies below call through to (never a spy set up for an earlier run of the same test)
+REAL_ADAMW, REAL_BUILD_PRM, REAL_COLLATE = torch.optim.AdamW, prm.build_prm, prm.collate
+# no held-out metrics during the run, no warm-up (the first steps move the weights at the full rate)
+FEW = ["--eval-every", "0", "--warmup-steps", "0"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One thread, as the subprocess runs use: a tiny model gains nothing from more, and the comparisons of two
+    runs below then see the same reduction order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_matmul_probe(monkeypatch):
+    """The summary's 0.5 s matmul measurement (for the FLOP-floor fraction) is not under test here."""
+    monkeypatch.setattr(prm, "matmul_flops_per_s", lambda *args, **kwargs: 1e12)
+
+
+def data_file(tmp_path: Path, count: int, name: str = "train.jsonl", seed: int = 7) -> str:
+    return str(write_rows(tmp_path / name, builtin_rows(count, seed)))
+
+
+def train_ok(argv: list[str], capsys) -> tuple[str, str]:
+    code, out, err = run_main(argv, capsys, with_stdout=True)
+    assert code == 0, f"rc {code}\n{out[-3000:]}\n{err[-3000:]}"
+    return out, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --epochs
+
+
+@pytest.mark.parametrize("epochs, steps, seen_twice", [(2, 10, 40), (1.5, 8, 24)])
+def test_epochs_set_the_steps_and_show_each_row_as_often_as_promised(epochs, steps, seen_twice, tmp_path, capsys,
+                                                                     monkeypatch, no_matmul_probe):
+    # 40 training rows (none held out for validation), batches of 8: --epochs E is ceil(E * 40 / 8) steps, whatever
+    # --total-steps says, and each epoch is one pass over a fresh permutation of the rows
+    batches = []
+
+    def spy_collate(examples, *args, **kwargs):
+        batches.append([id(example) for example in examples])
+        return REAL_COLLATE(examples, *args, **kwargs)
+
+    monkeypatch.setattr(prm, "collate", spy_collate)
+    out = tmp_path / "out"
+    train_ok(["--output-dir", str(out), *FEW, "--data-path", data_file(tmp_path, 40), "--num-val-rows", "0",
+              "--batch-size", "8", "--total-steps", "3", "--epochs", str(epochs)], capsys)
+    assert read_summary(out)["steps"] == steps == math.ceil(epochs * 40 / 8)
+    assert [row["step"] for row in read_metrics(out)] == list(range(1, steps + 1))
+    # no held-out rows and no micro-batches: every collate call is one training step's whole batch
+    assert len(batches) == steps and all(len(batch) == 8 for batch in batches)
+    assert read_summary(out)["train_rows"] == 40
+    first_epoch = [i for batch in batches[:5] for i in batch]
+    second_epoch = [i for batch in batches[5:] for i in batch]
+    assert len(set(first_epoch)) == 40  # the first 5 steps: every row exactly once
+    assert len(set(second_epoch)) == len(second_epoch) == seen_twice  # then a second pass, no row twice in it
+    assert second_epoch != first_epoch[:len(second_epoch)]  # a new order, not the first epoch's again
+    times_seen = Counter(Counter(first_epoch + second_epoch).values())  # how many rows were seen once, twice
+    assert times_seen == Counter({2: seen_twice, 1: 40 - seen_twice}) - Counter()  # (- drops a zero count)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --gradient-checkpointing
+
+
+def capture_prm(monkeypatch) -> dict:
+    """Keeps the PRM that train builds, and counts its training forwards and the runs of its decoder layers' MLPs
+    (inside the layer: what a checkpointed layer's recomputation in the backward pass runs again). Counted by
+    wrapping the MLPs' forward: module hooks would see no recomputation (transformers checkpoints the layer's
+    forward, not its __call__, and torch runs no forward hooks while recomputing)."""
+    captured = {"layer_calls": 0, "training_forwards": 0}
+
+    def spy_build(*args, **kwargs):
+        model, base = REAL_BUILD_PRM(*args, **kwargs)
+        captured["prm"] = model
+        layers = [m for m in model.backbone.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+        captured["layers"] = len(layers)
+        for layer in layers:
+            def counted(*args, _forward=layer.mlp.forward, **kwargs):
+                captured["layer_calls"] += 1
+                return _forward(*args, **kwargs)
+
+            layer.mlp.forward = counted
+        model.register_forward_hook(lambda module, *_: captured.__setitem__(
+            "training_forwards", captured["training_forwards"] + module.training))
+        return model, base
+
+    monkeypatch.setattr(prm, "build_prm", spy_build)
+    return captured
+
+
+def final_weights(out: Path) -> dict:
+    weights = {}
+    for name in ("model.safetensors", "adapter_model.safetensors", "reward_head.safetensors"):
+        if (out / "final" / name).exists():
+            weights.update({f"{name}:{key}": value for key, value in load_file(out / "final" / name).items()})
+    return weights
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_is_on_and_changes_nothing_but_memory(lora, tmp_path, capsys, monkeypatch,
+                                                                     no_matmul_probe):
+    data = data_file(tmp_path, 24)
+    flags = [*FEW, "--data-path", data, "--num-val-rows", "0", "--batch-size", "4", "--micro-batch-size", "2",
+             "--total-steps", "2", *(["--lora-r", "4"] if lora else [])]
+    runs = {}
+    for checkpointing in (False, True):
+        captured = capture_prm(monkeypatch)
+        out = tmp_path / f"checkpointing-{checkpointing}"
+        train_ok(["--output-dir", str(out), *flags, *(["--gradient-checkpointing"] if checkpointing else [])], capsys)
+        runs[checkpointing] = out, captured
+    (plain, off), (checkpointed, on) = runs[False], runs[True]
+    # the flag reached the backbone: transformers says so ...
+    base_model = lambda model: next(m for m in model.backbone.modules() if type(m).__name__ == "LlamaModel")
+    is_on = lambda model: getattr(base_model(model), "is_activation_checkpointing",
+                                  getattr(base_model(model), "is_gradient_checkpointing", None))
+    assert is_on(on["prm"]) is True and is_on(off["prm"]) is False
+    # ... and it acted: every decoder layer ran once more for each training forward (its recomputation in the
+    # backward pass), and nowhere else (the packing check runs without gradients, and is not checkpointed)
+    assert on["training_forwards"] == off["training_forwards"] == 2 * 2  # 2 steps of 2 micro-batches
+    assert on["layer_calls"] == off["layer_calls"] + on["layers"] * on["training_forwards"]
+    # the same run: metrics rows (loss to 1e-5) and final weights
+    rows_off, rows_on = read_metrics(plain), read_metrics(checkpointed)
+    assert len(rows_off) == len(rows_on) == 2
+    for a, b in zip(rows_off, rows_on, strict=True):
+        assert a.keys() == b.keys()
+        for key in a.keys() - TIMING_KEYS:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), key
+    weights_off, weights_on = final_weights(plain), final_weights(checkpointed)
+    assert weights_off.keys() == weights_on.keys()
+    assert any(key.startswith("adapter_model") for key in weights_on) == lora
+    for key in weights_off:
+        torch.testing.assert_close(weights_on[key], weights_off[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --max-grad-norm
+
+
+def spy_optimizer_grad_norms(monkeypatch) -> list[float]:
+    """The global norm of the gradients the optimiser holds at each of its steps (what it is about to apply)."""
+    seen = []
+
+    class SpyAdamW(REAL_ADAMW):
+        def step(self, closure=None):
+            grads = [p.grad.float() for group in self.param_groups for p in group["params"] if p.grad is not None]
+            seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "AdamW", SpyAdamW)
+    return seen
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_max_grad_norm_bounds_the_gradient_the_optimiser_applies(lora, tmp_path, capsys, monkeypatch,
+                                                                 no_matmul_probe):
+    data = data_file(tmp_path, 24)
+    flags = [*FEW, "--data-path", data, "--num-val-rows", "0", "--batch-size", "4", "--total-steps", "2",
+             *(["--lora-r", "4"] if lora else [])]
+    results = {}
+    for limit in ("1e-3", "1e6", "0"):
+        seen = spy_optimizer_grad_norms(monkeypatch)
+        out = tmp_path / f"limit-{limit}"
+        train_ok(["--output-dir", str(out), *flags, "--max-grad-norm", limit], capsys)
+        logged = [row["grad_norm"] for row in read_metrics(out)]  # the norm before clipping
+        assert len(seen) == len(logged) == 2
+        results[limit] = seen, logged
+    seen, logged = results["1e-3"]
+    assert all(norm > 1e-2 for norm in logged)  # clipping had something to do ...
+    assert all(0.999e-3 <= norm <= 1e-3 * (1 + 1e-5) for norm in seen), seen  # ... and scaled down to the limit
+    for limit in ("1e6", "0"):  # far above every norm, and 0 = off: the optimiser gets the gradient as it is
+        seen, logged = results[limit]
+        assert all(norm > 1e-2 for norm in seen)
+        assert seen == pytest.approx(logged, rel=1e-5)
+    # the first step starts from the same weights and batch: the same gradient before clipping, whatever the limit
+    assert results["1e-3"][1][0] == pytest.approx(results["1e6"][1][0], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# import, wandb, train()
+
+
+def test_import_has_no_side_effects(tmp_path):
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    home.mkdir()
+    marker = "import done: "
+    code = (f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import prm; import json, torch; "
+            f"print({marker!r} + json.dumps({{'wandb': 'wandb' in sys.modules, "
+            "'distributed': torch.distributed.is_initialized(), 'cuda': torch.cuda.is_initialized()}))")
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}  # nothing written there either
+    process = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                             env=env)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.stderr == ""
+    # the import printed nothing: the marker (printed after it) is all of stdout
+    assert process.stdout.startswith(marker) and process.stdout.count("\n") == 1, process.stdout
+    assert json.loads(process.stdout[len(marker):]) == {"wandb": False, "distributed": False, "cuda": False}
+    assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_a_wandb_that_cannot_start_is_a_warning_not_a_failed_run(tmp_path, capsys, monkeypatch, no_matmul_probe):
+    try:
+        import wandb
+    except ImportError:  # the same code path with a stand-in module
+        wandb = type(sys)("wandb")
+        monkeypatch.setitem(sys.modules, "wandb", wandb)
+    calls = []
+
+    def failing_init(*args, **kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("no network here")
+
+    monkeypatch.setattr(wandb, "init", failing_init, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # should the patch miss, no network either
+    out = tmp_path / "out"
+    _, err = train_ok(["--output-dir", str(out), *FEW, "--data-path", data_file(tmp_path, 24), "--batch-size", "4",
+                       "--total-steps", "2", "--track", "--wandb-project-name", "prm-test"], capsys)
+    assert len(calls) == 1 and calls[0]["project"] == "prm-test"  # --track tried to start wandb
+    assert ("WARNING: wandb could not start (RuntimeError: no network here); continuing without it. "
+            "Run `wandb login`, or set WANDB_MODE=offline to log locally.") in err
+    assert [row["step"] for row in read_metrics(out)] == [1, 2]
+    assert read_summary(out)["steps"] == 2 and (out / "final" / "reward_head.safetensors").exists()
+
+
+def same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def test_train_returns_the_summary_it_writes(tmp_path):
+    out = tmp_path / "out"
+    args = prm.Args(output_dir=str(out), data_path=data_file(tmp_path, 24),
+                    eval_data_path=data_file(tmp_path, 8, "eval.jsonl", seed=8), num_val_rows=2, batch_size=4,
+                    total_steps=2, eval_every=0, warmup_steps=0)
+    returned = prm.train(args)
+    written = read_summary(out)
+    assert isinstance(returned, dict) and returned.keys() == written.keys()
+    assert {"steps", "eval_auroc_end", "tokens_per_s", "peak_memory_mb"} <= returned.keys()
+    assert returned["steps"] == 2 and returned["eval_rows"] == 8
+    different = {key: (returned[key], written[key]) for key in returned if not same(returned[key], written[key])}
+    assert not different
+    # and the values are plain Python numbers, not tensors or numpy scalars (the file holds them as they are)
+    assert all(isinstance(value, (bool, int, float, str, type(None))) for value in returned.values())
