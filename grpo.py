@@ -439,7 +439,8 @@ def latex_fraction_as_text(match: re.Match) -> str:
     whole, numerator, denominator = match.groups()
     if whole is None:
         return f"{numerator}/{denominator}"
-    if not (numerator.strip().isdigit() and denominator.strip().isdigit()) or int(denominator) == 0:
+    # (isdecimal, not isdigit: int() rejects the digits isdigit also accepts, such as "²")
+    if not (numerator.strip().isdecimal() and denominator.strip().isdecimal()) or int(denominator) == 0:
         return f"{whole} {numerator}/{denominator}"  # no number: left as text
     magnitude = abs(int(whole)) + Fraction(int(numerator), int(denominator))
     value = -magnitude if whole.startswith("-") else magnitude
@@ -1075,12 +1076,12 @@ def checkpoint_steps(output_dir: str) -> list[int]:
 
 
 def final_step(output_dir: str) -> Optional[int]:
-    """The step of output_dir/final when a run can be taken further from it (it holds a trainer state), else
-    None. A final model is written only when a run reaches its --total-steps."""
-    final = os.path.join(output_dir, "final")
-    if not os.path.isfile(os.path.join(final, "trainer_state.pt")):
+    """The step of output_dir/final, None when there is none. A final model is written only when a run reaches
+    its --total-steps."""
+    args_file = os.path.join(output_dir, "final", "args.json")
+    if not os.path.isfile(args_file):
         return None
-    with open(os.path.join(final, "args.json")) as f:
+    with open(args_file) as f:
         return json.load(f)["total_steps"]
 
 
@@ -1099,10 +1100,13 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
         if not steps and final is None:
             raise UserError(f"--resume-from latest: no checkpoint-* or final directory in {output_dir} (pass the "
                             "run's --output-dir)")
-        newest_is_final = final is not None and (not steps or final >= steps[-1])
+        newest_is_final = final is not None and (not steps or final > steps[-1])
         path = os.path.join(output_dir, "final" if newest_is_final else f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
-    if not os.path.isfile(args_file) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+    if os.path.isfile(args_file) and not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        raise UserError(f"--resume-from {path}: a final model written before final models kept their trainer state: "
+                        f"it cannot be continued, but a new run can start from it (--model {path})")
+    if not os.path.isfile(args_file):
         raise UserError(f"--resume-from {path}: not a checkpoint written by grpo.py (no args.json and "
                         "trainer_state.pt in it)")
     with open(args_file) as f:
@@ -1285,8 +1289,8 @@ def train(args: Args) -> dict:
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if context and longest + args.max_new_tokens > context:
         # a learned table of positions (GPT-2's) has no row beyond it; rotary positions run on, untrained
-        learned = any(isinstance(module, torch.nn.Embedding) and module.num_embeddings == context
-                      and module is not model.get_input_embeddings() for module in model.modules())
+        learned = any(isinstance(module, torch.nn.Embedding) and context <= module.num_embeddings <= context + 2
+                      and module is not model.get_input_embeddings() for module in model.modules())  # (OPT: +2)
         message = (f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} exceeds the model's "
                    f"{context} positions")
         if learned:
@@ -1352,7 +1356,8 @@ def train(args: Args) -> dict:
         if start_step > args.total_steps:
             raise UserError(f"--resume-from {resume_path} is at step {start_step}, past --total-steps "
                             f"{args.total_steps}: raise --total-steps, or resume from an earlier checkpoint")
-        if start_step == args.total_steps and os.path.isdir(os.path.join(output_dir, "final")):
+        # (a final model of an earlier step stays until this run, stopped in its last step, writes its own)
+        if start_step == args.total_steps and final_step(output_dir) == start_step:
             print0(f"{resume_path} is at step {start_step}: the run already reached --total-steps "
                    f"{args.total_steps}; nothing to do (raise --total-steps to train further)", enabled=is_main)
             if distributed:

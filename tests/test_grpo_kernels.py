@@ -1216,6 +1216,7 @@ def test_generate_never_feeds_back_the_last_token():
     ("\\boxed{2\\frac{1}{2}}", "10.5", 0.0),
     ("\\boxed{-1 \\tfrac{3}{4}}", "-1.75", 1.0),
     ("\\boxed{x^2\\frac{1}{2}}", "2.5", 0.0),  # an exponent is no whole part
+    ("\\boxed{1\\frac{\u00b2}{2}}", "2", 0.0),  # "²" is a digit to isdigit, not to int(): text, no crash
     ("\\boxed{7} then 8", "7", 1.0),  # the boxed answer wins over a later number
     ("#### 5 \\boxed{6}", "5", 1.0),
     ("no number here", "3", 0.0),

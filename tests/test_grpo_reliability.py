@@ -14,7 +14,7 @@ import torch
 
 import grpo
 from conftest import run_script_main
-from test_grpo_runs import QUICK, REPO_ROOT, read_metrics, run_grpo, save_tiny
+from test_grpo_runs import QUICK, REPO_ROOT, read_metrics, read_summary, run_grpo, save_tiny
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
 TIMING_KEYS = {"step_time_s", "generation_time_s", "reward_time_s", "reference_time_s", "update_time_s", "memory_mb"}
@@ -253,6 +253,33 @@ def test_a_finished_run_is_taken_further_from_its_final_model(tmp_path, capsys):
 
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(extended / "final" / "model.safetensors")
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_a_longer_run_stopped_in_its_last_step_still_ends_with_its_own_final_model(tmp_path, capsys, monkeypatch):
+    """Taken further from final/ (step 2) and stopped by SIGTERM in its last step (3), a run leaves checkpoint-3
+    beside the old final/; resumed, it must write its own final model and summary, not take the old ones for
+    "nothing to do". A final/ from before final models kept their trainer state is named as such."""
+    run = tmp_path / "run"
+    flags = [*QUICK, "--output-dir", str(run)]
+    assert run_main([*flags, "--total-steps", "2"], capsys)[0] == 0
+    real_rewards = grpo.compute_rewards
+
+    def rewards_sending_sigterm(*args, **kwargs):  # called once per step: this run's only step is step 3
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_rewards(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "compute_rewards", rewards_sending_sigterm)
+    code, out, _ = run_main([*flags, "--total-steps", "3", "--resume-from", "latest"], capsys, with_stdout=True)
+    monkeypatch.setattr(grpo, "compute_rewards", real_rewards)
+    assert code == 0 and "stopped by a signal after step 3" in out
+    assert grpo.checkpoint_steps(str(run)) == [3] and grpo.final_step(str(run)) == 2
+    code, out, _ = run_main([*flags, "--total-steps", "3", "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0 and "nothing to do" not in out
+    assert grpo.final_step(str(run)) == 3 and read_summary(run)["steps"] == 3 and not read_summary(run)["interrupted"]
+
+    (run / "final" / "trainer_state.pt").unlink()  # as an older version wrote it
+    code, err = run_main([*flags, "--total-steps", "4", "--resume-from", str(run / "final")], capsys)
+    assert code == 2 and "written before final models kept their trainer state" in err and "--model" in err
 
 
 def test_resuming_on_other_training_rows_is_refused(tmp_path, capsys):
