@@ -331,17 +331,26 @@ def make_solution(rng: random.Random, min_steps: int = 3, max_steps: int = 6, p_
     return {"prompt": prompt, "completions": steps, "labels": [float(k < error_at) for k in range(num_steps)]}
 
 
+BUILTIN_HELD_OUT = 2000  # built-in rows kept out of training, for validation and eval
+
+
 def builtin_task(seed: int, num_val: int, num_eval: int, num_train: int = 10000) -> tuple[list, list, list]:
     """Distinct built-in rows, split into train, validation (threshold choice) and eval: no held-out row is a
-    training row. Rows are drawn in order and split in that order, so the training rows are the same whatever
-    --num-val-rows and --num-eval-rows are, and the validation rows whatever --num-eval-rows is."""
+    training row. A fixed pool of BUILTIN_HELD_OUT rows is set aside whatever --num-val-rows and --num-eval-rows
+    are, so that they never change the training rows (a resumed run may change them), and it is drawn by the same
+    shuffle as the training rows, so that held-out rows look like training rows (the last distinct rows drawn
+    would be skewed towards rare ones: longer solutions, fewer of them correct)."""
+    if num_val + num_eval > BUILTIN_HELD_OUT:
+        raise ValueError(f"{num_val} + {num_eval} held-out rows asked for; the built-in data holds out {BUILTIN_HELD_OUT}")
     rng = random.Random(seed)
     unique: dict[tuple, dict] = {}
-    while len(unique) < num_train + num_val + num_eval:
+    while len(unique) < num_train + BUILTIN_HELD_OUT:
         row = make_solution(rng)
         unique.setdefault((row["prompt"], *row["completions"]), row)
-    rows = list(unique.values())  # in the order drawn: each row is already a random draw
-    return rows[:num_train], rows[num_train:num_train + num_val], rows[num_train + num_val:]
+    rows = list(unique.values())
+    rng.shuffle(rows)
+    held_out, train = rows[:BUILTIN_HELD_OUT], rows[BUILTIN_HELD_OUT:]
+    return train, held_out[:num_val], held_out[num_val:num_val + num_eval]
 
 
 def parse_row(line: str, need_labels: bool) -> dict:
@@ -1043,6 +1052,10 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.warmup_steps >= 0 and args.eval_every >= 0 and args.save_every >= 0,
           "--warmup-steps, --eval-every and --save-every must be >= 0")
     check(args.num_eval_rows >= 0 and args.num_val_rows >= 0, "--num-eval-rows and --num-val-rows must be >= 0")
+    builtin_held_out = args.num_val_rows + (0 if args.eval_data_path else args.num_eval_rows)
+    check(args.data_path is not None or builtin_held_out <= BUILTIN_HELD_OUT,
+          f"the built-in data holds out {BUILTIN_HELD_OUT} rows: --num-val-rows + --num-eval-rows (without "
+          f"--eval-data-path) must be at most that, got {builtin_held_out}")
     check(args.eval_batch_size >= 1, f"--eval-batch-size must be at least 1, got {args.eval_batch_size}")
     check(args.max_bad_steps >= 1, f"--max-bad-steps must be at least 1, got {args.max_bad_steps}")
     check(args.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1 (the newest is what resuming "
@@ -1214,7 +1227,8 @@ def train(args: Args) -> dict:
     # ---- data rows, checked before any model is loaded (a bad line fails fast)
     skipped_rows = 0
     if args.data_path is None:
-        train_rows, val_rows, eval_rows = builtin_task(args.seed, args.num_val_rows, args.num_eval_rows)
+        train_rows, val_rows, eval_rows = builtin_task(args.seed, args.num_val_rows,
+                                                       0 if args.eval_data_path else args.num_eval_rows)
     else:
         rows, skipped_rows = load_jsonl_rows(args.data_path, skip_bad_rows=args.skip_bad_rows)
         random.Random(args.seed).shuffle(rows)
@@ -1235,8 +1249,9 @@ def train(args: Args) -> dict:
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if context and args.max_length > context:
         # a learned table of positions (GPT-2's) has no row beyond it; rotary positions run on, untrained
-        learned = any(isinstance(module, torch.nn.Embedding) and module.num_embeddings == context
-                      and module is not prm.backbone.get_input_embeddings() for module in prm.backbone.modules())
+        learned = any(isinstance(module, torch.nn.Embedding) and context <= module.num_embeddings <= context + 2
+                      and module is not prm.backbone.get_input_embeddings()  # (OPT's table has 2 rows more)
+                      for module in prm.backbone.modules())
         message = f"--max-length {args.max_length} exceeds the model's {context} positions"
         if learned:
             raise UserError(f"{message}: pass --max-length {context} or less")

@@ -123,6 +123,8 @@ BAD_INPUTS = {
     "scores output below a file": (lambda tmp: ["--score-data-path", rows_file(tmp, GOOD), "--scores-output",
                                                 rows_file(tmp, GOOD) + "/scores.jsonl"], "--scores-output",
                                    "its directory cannot be created, "),
+    "held-out rows beyond the built-in pool": (lambda tmp: ["--num-val-rows", "1000", "--num-eval-rows", "1001"],
+                                               "--num-val-rows + --num-eval-rows", "must be at most that, got 2001"),
     # resuming
     "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "--resume-from", "not a checkpoint written by prm.py"),
     "resume latest, no checkpoint": (lambda tmp: ["--resume-from", "latest"], "--resume-from latest",
@@ -161,6 +163,16 @@ def test_max_length_beyond_the_models_positions(tmp_path, capsys):
     assert not out.exists()
     code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "1", "--max-length", "2048"], capsys)
     assert code == 0 and "warning: --max-length 2048 exceeds the model's 1024 positions" in err
+
+    from transformers import OPTConfig, OPTModel
+
+    opt = tmp_path / "opt"  # OPT's learned table has 2 rows more than its positions
+    OPTModel(OPTConfig(hidden_size=32, word_embed_proj_dim=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2,
+                       vocab_size=len(tokenizer), max_position_embeddings=16)).save_pretrained(opt)
+    tokenizer.save_pretrained(opt)
+    code, err = run_main(["--output-dir", str(tmp_path / "opt_out"), *QUICK, "--model", str(opt), "--max-length",
+                          "64"], capsys)
+    assert code == 2 and "--max-length 64 exceeds the model's 16 positions: pass --max-length 16" in err
 
 
 def test_scoring_mode_bad_inputs(tmp_path, capsys):
@@ -552,6 +564,15 @@ def test_builtin_training_rows_do_not_depend_on_the_held_out_counts():
     key = lambda row: (row["prompt"], *row["completions"])  # noqa: E731
     assert not {key(row) for row in train} & {key(row) for row in val + other_evaluation}
     assert not {key(row) for row in val} & {key(row) for row in other_evaluation}
+    with pytest.raises(ValueError, match="holds out 2000"):
+        prm.builtin_task(seed=3, num_val=1000, num_eval=1001)
+
+
+def test_builtin_held_out_rows_look_like_training_rows():
+    # one shuffle splits them: the last distinct rows drawn would be rarer ones (about 0.2 steps longer on average)
+    train, _, evaluation = prm.builtin_task(seed=1, num_val=0, num_eval=2000)
+    mean_steps = lambda rows: sum(len(row["completions"]) for row in rows) / len(rows)  # noqa: E731
+    assert abs(mean_steps(evaluation) - mean_steps(train)) < 0.06
 
 
 def test_resuming_the_builtin_data_with_other_eval_rows_keeps_the_training_rows(tmp_path, capsys):
