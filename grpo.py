@@ -657,6 +657,12 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     unique = slice(None, None, group_size)  # one row per group of identical prompts
     logits = model(input_ids=prompt_ids[unique], attention_mask=attention_mask[unique],
                    position_ids=position_ids[unique], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    # (read from the second token on) else every token would be sampled without its context
+    if max_new_tokens > 1 and cache.get_seq_length() != prompt_ids.shape[1]:
+        import transformers
+
+        raise UserError(f"{type(model).__name__} did not fill the KV cache it was given as `cache=`, which "
+                        f"transformers 5.24 and later read (this is {transformers.__version__}): upgrade transformers")
     if group_size > 1:
         cache.batch_repeat_interleave(group_size)
         logits = logits.repeat_interleave(group_size, dim=0)  # [B, V]
@@ -946,12 +952,19 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def guess_peak_tflops(device) -> float:
-    """Dense bf16 peak of common accelerators, for MFU. Unknown devices return 0 (pass --peak-tflops)."""
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40", 181.0), ("A10", 125.0),
-                        ("4090", 165.0), ("3090", 71.0), ("V100", 125.0), ("T4", 65.0)):
-        if key in name:
+# dense bf16 peaks (no sparsity) in TFLOP/s, the specific names before the general ones they contain
+PEAK_TFLOPS = (("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+               ("H800", 989.0), ("H20", 148.0), ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0),
+               ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
+               ("A30", 165.0), ("RTX 6000 Ada", 364.0), ("RTX A6000", 155.0), ("4090", 165.0), ("3090", 71.0),
+               ("V100", 125.0), ("T4", 65.0))
+
+
+def guess_peak_tflops(device_name: str) -> float:
+    """The dense bf16 peak of a GPU by its name, for MFU; 0 for a name not in PEAK_TFLOPS (pass --peak-tflops).
+    Names match as whole words: "H20" is not "H200", nor "A100" "RTX A1000"."""
+    for key, tflops in PEAK_TFLOPS:
+        if re.search(rf"\b{re.escape(key)}\b", device_name):
             return tflops
     return 0.0
 
@@ -1029,8 +1042,9 @@ def set_rng_state(state: dict) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy(), *rest))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    # one state per GPU of the machine that saved it: this one may have fewer
+    for index, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(cuda_state, index)
 
 
 def update_json(path: str, values: dict) -> None:
@@ -1193,8 +1207,9 @@ def train(args: Args) -> dict:
     args.local_prompts = args.prompts_per_step // args.world_size
     local_batch = args.local_prompts * args.group_size
     micro_batch = args.micro_batch_size or local_batch
+    # (auto: bf16 only where the GPU has it natively; emulated, on a V100 or T4, it is slow)
     use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
-                                             and torch.cuda.is_bf16_supported())
+                                             and torch.cuda.is_bf16_supported(including_emulation=False))
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     timestamp = int(time.time())
     if distributed:  # every rank uses rank 0's clock, so the run name is the same everywhere
@@ -1316,7 +1331,8 @@ def train(args: Args) -> dict:
     start_step = 0
     bad_steps_in_a_row = skipped_updates = 0
     if resume_path:
-        state = torch.load(os.path.join(resume_path, "trainer_state.pt"), weights_only=True)
+        # (on the CPU first: the optimiser's load puts each state beside its parameter, on this process's device)
+        state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
         if state.get("dtype", str(dtype)) != str(dtype):  # (bf16 `auto` on a GPU, float32 on a CPU)
             raise UserError(f"--resume-from {resume_path}: the checkpoint's run computed in {state['dtype']}, this "
                             f"one in {dtype}: pass the same --dtype")
@@ -1435,9 +1451,9 @@ def train(args: Args) -> dict:
         return accuracy
 
     eval_accuracy_start = eval_accuracy = run_eval(start_step)
-    timings = {"generation": 0.0, "reference": 0.0, "reward": 0.0, "update": 0.0}
+    timings = {"generation": [], "reference": [], "reward": [], "update": []}  # seconds, per step
     step_times, step_model_flops, memory_samples = [], [], []
-    generated_tokens = trained_tokens = 0
+    generated_tokens, trained_tokens = [], []  # per step, this process's
     run_start = time.perf_counter()
     interrupted = False
 
@@ -1469,7 +1485,7 @@ def train(args: Args) -> dict:
             model.train()
             truncated = ~ended_by_eos(completion_ids, completion_mask, eos_ids)  # [B]: no EOS within max_new_tokens
             t_generated = sync_clock()
-            timings["generation"] += t_generated - step_start
+            timings["generation"].append(t_generated - step_start)
 
             # 2. rewards, on the text up to EOS; other special tokens stay in it, so that a policy cannot hide junk in
             # tokens that decoding would drop
@@ -1479,7 +1495,7 @@ def train(args: Args) -> dict:
             rewards, rewards_per_fn = compute_rewards(prompt_texts, completions, answers, reward_fns,
                                                       args.reward_errors)
             t_rewarded = sync_clock()
-            timings["reward"] += t_rewarded - t_generated
+            timings["reward"].append(t_rewarded - t_generated)
 
             # 3. advantages; a sample whose reward failed (NaN) leaves the loss, and its group is scored without it
             failed = torch.isnan(rewards)
@@ -1534,7 +1550,7 @@ def train(args: Args) -> dict:
                             completion_ids[mb, completions], completion_mask[mb, completions], args.temperature,
                             prompt_of_row=plan)[0]
             t_referenced = sync_clock()
-            timings["reference"] += t_referenced - t_rewarded
+            timings["reference"].append(t_referenced - t_rewarded)
 
             # 5. update: num_iterations optimiser steps over the batch, accumulating micro-batches. The weights do not
             # change within an iteration, so iteration 0's log-probs *are* the rollout policy's: kept as old_logp.
@@ -1606,7 +1622,7 @@ def train(args: Args) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 model.zero_grad(set_to_none=True)
             t_updated = sync_clock()
-            timings["update"] += t_updated - t_referenced
+            timings["update"].append(t_updated - t_referenced)
 
             # 6. log (metrics averaged over processes), evaluate, save
             step_time = t_updated - step_start
@@ -1622,8 +1638,8 @@ def train(args: Args) -> dict:
                 update_prompt_tokens=every_row if args.gradient_checkpointing else shared,
                 completion_tokens=n_generated, reference=args.kl_coef != 0.0, iterations=args.num_iterations,
                 full_finetune=args.lora_r == 0))
-            generated_tokens += n_generated
-            trained_tokens += int(loss_mask.sum()) * args.num_iterations
+            generated_tokens.append(n_generated)
+            trained_tokens.append(int(loss_mask.sum()) * args.num_iterations)
             # every figure is a sum over the batch, so that summing over processes gives the whole batch's: token-
             # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
             # completions, and the sum of squares for the std; log-prob gaps
@@ -1696,17 +1712,18 @@ def train(args: Args) -> dict:
         save_run_state(os.path.join(output_dir, "final"), start_step + len(step_times), tiny_base)
     steps_done = len(step_times)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
-    update_time = max(timings["update"], 1e-9)
     summary = {
         "steps": start_step + steps_done,
         "total_time_s": total_time,
         "step_time_s_mean": float(np.mean(step_times[timed])) if step_times else float("nan"),
-        "generation_time_s": timings["generation"],
-        "reference_time_s": timings["reference"],
-        "reward_time_s": timings["reward"],
-        "update_time_s": timings["update"],
-        "generated_tokens_per_s": generated_tokens * args.world_size / max(timings["generation"], 1e-9),
-        "trained_tokens_per_s": trained_tokens * args.world_size / update_time,
+        "generation_time_s": sum(timings["generation"]),
+        "reference_time_s": sum(timings["reference"]),
+        "reward_time_s": sum(timings["reward"]),
+        "update_time_s": sum(timings["update"]),
+        # over the timed steps, as the step time (on a GPU the first step also loads kernels and allocates memory)
+        "generated_tokens_per_s": (sum(generated_tokens[timed]) * args.world_size
+                                   / max(sum(timings["generation"][timed]), 1e-9)),
+        "trained_tokens_per_s": sum(trained_tokens[timed]) * args.world_size / max(sum(timings["update"][timed]), 1e-9),
         "peak_memory_mb": peak_memory_mb(device),
         "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
         "eval_accuracy_start": eval_accuracy_start,
@@ -1720,7 +1737,10 @@ def train(args: Args) -> dict:
     achieved = sum(step_model_flops[timed]) / max(sum(step_times[timed]), 1e-9)
     summary["model_tflops_per_s"] = achieved / 1e12
     if device.type == "cuda" and step_times:
-        peak = args.peak_tflops or guess_peak_tflops(device)
+        peak = args.peak_tflops or guess_peak_tflops(torch.cuda.get_device_name(device))
+        if not peak:
+            print0(f"warning: no peak FLOP/s known for {torch.cuda.get_device_name(device)}: mfu is NaN; pass "
+                   "--peak-tflops (its dense bf16 figure)", file=sys.stderr, enabled=is_main)
         summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
     elif step_times:
         measured = matmul_flops_per_s(device, dtype)

@@ -341,7 +341,8 @@ def builtin_task(seed: int, num_val: int, num_eval: int, num_train: int = 10000)
     shuffle as the training rows, so that held-out rows look like training rows (the last distinct rows drawn
     would be skewed towards rare ones: longer solutions, fewer of them correct)."""
     if num_val + num_eval > BUILTIN_HELD_OUT:
-        raise ValueError(f"{num_val} + {num_eval} held-out rows asked for; the built-in data holds out {BUILTIN_HELD_OUT}")
+        raise ValueError(f"{num_val} + {num_eval} held-out rows asked for; the built-in data holds out "
+                         f"{BUILTIN_HELD_OUT}")
     rng = random.Random(seed)
     unique: dict[tuple, dict] = {}
     while len(unique) < num_train + BUILTIN_HELD_OUT:
@@ -790,7 +791,8 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
         config = json.load(f)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = torch.bfloat16 if native_bf16 else torch.float32  # (emulated bf16, on a V100 or T4, is slow)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if config["lora"]:
         from peft import PeftModel
@@ -864,8 +866,9 @@ def set_rng_state(state: dict) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy(), *rest))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    # one state per GPU of the machine that saved it: this one may have fewer
+    for index, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(cuda_state, index)
 
 
 def gather_rng_states(distributed: bool, world_size: int) -> list[dict]:
@@ -977,7 +980,8 @@ def load_checkpoint_weights(prm: ProcessRewardModel, path: str, model_name: str)
 def load_trainer_state(path: str) -> dict:
     """trainer_state.pt, with weights_only=True: tensors and plain containers only, no arbitrary pickle."""
     try:
-        return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+        # (on the CPU first: the optimiser's load puts each state beside its parameter, on this process's device)
+        return torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     except Exception as error:  # torch.load raises many kinds (EOFError, UnpicklingError, RuntimeError) on bad files
         raise UserError(f"--resume-from {path}: cannot read trainer_state.pt ({type(error).__name__}: "
                         f"{str(error).strip().splitlines()[0] if str(error).strip() else 'corrupt file'})") from None
@@ -1101,12 +1105,19 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def guess_peak_tflops(device) -> float:
-    """Dense bf16 peak of common accelerators, for MFU. Unknown devices return 0 (pass --peak-tflops)."""
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40", 181.0), ("A10", 125.0),
-                        ("4090", 165.0), ("3090", 71.0), ("V100", 125.0), ("T4", 65.0)):
-        if key in name:
+# dense bf16 peaks (no sparsity) in TFLOP/s, the specific names before the general ones they contain
+PEAK_TFLOPS = (("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+               ("H800", 989.0), ("H20", 148.0), ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0),
+               ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
+               ("A30", 165.0), ("RTX 6000 Ada", 364.0), ("RTX A6000", 155.0), ("4090", 165.0), ("3090", 71.0),
+               ("V100", 125.0), ("T4", 65.0))
+
+
+def guess_peak_tflops(device_name: str) -> float:
+    """The dense bf16 peak of a GPU by its name, for MFU; 0 for a name not in PEAK_TFLOPS (pass --peak-tflops).
+    Names match as whole words: "H20" is not "H200", nor "A100" "RTX A1000"."""
+    for key, tflops in PEAK_TFLOPS:
+        if re.search(rf"\b{re.escape(key)}\b", device_name):
             return tflops
     return 0.0
 
@@ -1197,8 +1208,9 @@ def train(args: Args) -> dict:
     evaluates = is_main or args.fsdp  # under FSDP every forward is a collective: all ranks evaluate (the same rows)
     args.local_batch = args.batch_size // args.world_size
     micro_batch = args.micro_batch_size or args.local_batch
+    # (auto: bf16 only where the GPU has it natively; emulated, on a V100 or T4, it is slow)
     use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
-                                             and torch.cuda.is_bf16_supported())
+                                             and torch.cuda.is_bf16_supported(including_emulation=False))
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     timestamp = int(time.time())
     if distributed:  # every rank uses rank 0's clock, so the run name is the same everywhere
@@ -1605,7 +1617,10 @@ def train(args: Args) -> dict:
                 / max(sum(step_times[timed]), 1e-9))
     summary["model_tflops_per_s"] = achieved / 1e12
     if device.type == "cuda" and step_times:
-        peak = args.peak_tflops or guess_peak_tflops(device)
+        peak = args.peak_tflops or guess_peak_tflops(torch.cuda.get_device_name(device))
+        if not peak:
+            print0(f"warning: no peak FLOP/s known for {torch.cuda.get_device_name(device)}: mfu is NaN; pass "
+                   "--peak-tflops (its dense bf16 figure)", file=sys.stderr, enabled=is_main)
         summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
     elif step_times:
         measured = matmul_flops_per_s(device, dtype)

@@ -34,6 +34,7 @@ from grpo import (  # noqa: E402
     generate,
     group_advantages,
     grpo_loss,
+    guess_peak_tflops,
     kl_penalty,
     left_pad,
     prompt_sharing,
@@ -1152,6 +1153,25 @@ def test_shared_prompts_refuse_a_model_that_drops_the_cache(tiny):
         completion_logprobs(model, ids, mask, completion, torch.ones_like(completion), 1.0, prompt_of_row=[0, 0])
 
 
+class IgnoresCache(torch.nn.Module):
+    """A model that does not read the cache argument: as a transformers release before 5.24 did with `cache=`
+    (it took `past_key_values`), silently."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, cache=None, **kwargs):
+        return self.model(**kwargs)
+
+
+def test_sampling_refuses_a_model_that_ignores_the_cache(tiny):
+    # every token after the first would be sampled from itself alone, without the prompt or the tokens before it
+    tokenizer, models, prompt_lists = tiny
+    with pytest.raises(UserError, match="did not fill the KV cache it was given as `cache=`.*upgrade transformers"):
+        sample(tokenizer, IgnoresCache(models["plain"]), prompt_lists, seed=1, max_new_tokens=4)
+
+
 def test_any_of_several_eos_ids_ends_a_completion(tiny):
     """Chat models list several EOS ids in their generation config (the end of a turn and the end of text): any of
     them ends a completion, is kept in its mask (trained on) and left out of its text, as with the tokenizer's."""
@@ -1330,3 +1350,18 @@ def test_lora_targets_any_layer_peft_adapts():
     for targets in ("c_attn,c_atn", "q_proj"):
         with pytest.raises(UserError, match="no layer is named (c_atn|q_proj); this model's include c_attn"):
             apply_lora(gpt2(), Args(lora_r=4, lora_target_modules=targets))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# guess_peak_tflops
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0),
+    ("NVIDIA H20", 148.0), ("NVIDIA A10G", 70.0),
+    ("NVIDIA RTX A1000", 0.0),  # not an A100: names match as whole words
+    ("Some Future GPU", 0.0),  # unknown: MFU is NaN and a warning asks for --peak-tflops
+])
+def test_guess_peak_tflops(name, tflops):
+    assert guess_peak_tflops(name) == tflops

@@ -67,6 +67,12 @@ def test_default_task_few_steps(tmp_path):
         summary["model_tflops_per_s"] / summary["matmul_tflops_measured"])
     metrics = read_metrics(out)
     assert [row["step"] for row in metrics] == [1, 2, 3]
+    # tokens/s over the timed steps, as the step time: the first pays for warm-up (kernel loading, on a GPU)
+    timed = metrics[1:]
+    generated = sum(row["completion_length"] * 16 for row in timed)  # 4 prompts x 4 completions
+    assert summary["generated_tokens_per_s"] == pytest.approx(
+        generated / sum(row["generation_time_s"] for row in timed), rel=1e-6)
+    assert summary["generation_time_s"] == pytest.approx(sum(row["generation_time_s"] for row in metrics), rel=1e-6)
     for key in ("reward", "accuracy", "kl_mean", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy",
                 "completion_length", "logp_gap_max", "generation_time_s", "update_time_s"):
         assert key in metrics[0], key
