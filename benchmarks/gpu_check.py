@@ -6,22 +6,37 @@ vocabulary, tied embeddings) and a character tokenizer, then runs, in bf16:
   2. prm.py: 20 steps, batch 16, rows of 1,021 tokens with 10 labelled steps (--max-length 1024);
   3. both again for a few steps with --fsdp under `torchrun --nproc_per_node 1`: the sharded code path (mixed
      precision, gathered checkpoints, generation through FSDP) on CUDA and NCCL;
-and prints per-step time (first step excluded), generated and trained tokens/s, MFU and peak memory as a
-Markdown table, also written with the device name to OUT/gpu_check.json and OUT/gpu_check.md.
+and prints each run's per-step times (from its metrics.jsonl) and their mean (first step excluded), generated and
+trained tokens/s, MFU and peak memory as a Markdown table, also written with the device name to
+OUT/gpu_check.md and OUT/gpu_check.json.
 
     python benchmarks/gpu_check.py --out gpu-check                          # on the GPU: about 5 min
     python benchmarks/gpu_check.py --size tiny --device cpu --out /tmp/gc   # the same runs, shrunk (a test)
 
+Made to lose nothing to a hang or a kill: each run is a subprocess in its own process group (torchrun's workers,
+which start their own sessions, are found through /proc and killed with it), stopped after --timeout seconds
+(and within --deadline of the start) and recorded as an error row; its stdout and stderr go straight to
+OUT/<name>.log (one OUT/runs.log past 6 runs); the report is rewritten after every run, with the runs not done
+yet listed as such. OUT gets only those small files (at most 8): the model, the rows and the run directories go
+to --work-dir, and each run's final/ and checkpoints are deleted once read (--keep-models keeps them). The
+scripts have no flag to skip writing final/ (for grpo.py with its optimiser state), so each run still pays for
+that write.
+
 The architecture is Llama with Qwen2.5-0.5B's dimensions: Qwen2 is Llama plus q/k/v biases (FLOPs and memory
 agree to 0.01%), and transformers 5.24's AutoTokenizer turns the tokenizer of a qwen2 model into a byte-level one
-that drops the newline step separator. A random-weight policy rarely samples EOS, so every completion runs to 256 tokens: the worst case for the
-rollout. On CPU the --fsdp runs go through tests/fsdp_on_cpu.py (users get an error for --fsdp on CPU).
+that drops the newline step separator. A random-weight policy rarely samples EOS, so every completion runs to 256
+tokens: the worst case for the rollout. On CPU the --fsdp runs go through tests/fsdp_on_cpu.py (users get an error
+for --fsdp on CPU).
 """
 
 import argparse
+import ctypes
 import json
+import math
 import os
 import random
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +56,24 @@ SIZES = {
 }
 # (grpo steps, prompts per step, group size, new tokens), (prm steps, batch size, max length), fsdp steps
 WORKLOADS = {"qwen0.5b": ((5, 8, 8, 256), (20, 16, 1024), 3), "tiny": ((3, 4, 4, 16), (4, 4, 128), 2)}
+RUN_NAMES = ("grpo", "prm", "grpo-fsdp", "prm-fsdp")
+MAX_LOG_FILES = 6  # OUT holds the .md, the .json and at most this many logs: 8 files come back from the device
+LOG_LIMIT = 4 << 20  # a longer log keeps its first MiB and its last 3 MiB (16 MiB come back per file)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+CHILD_ENV = {"WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class Stopped(Exception):
+    """This script got SIGTERM, SIGINT or SIGHUP: the run in progress is killed and the report written."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+        self.signum = signum
+        self.row: dict | None = None
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise Stopped(signum)
 
 
 def build_model(size: str, directory: Path) -> int:
@@ -52,7 +85,8 @@ def build_model(size: str, directory: Path) -> int:
 
     tokenizer = prm.build_tiny_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(**SIZES[size], head_dim=SIZES[size]["hidden_size"] // SIZES[size]["num_attention_heads"], pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+    config = LlamaConfig(**SIZES[size], head_dim=SIZES[size]["hidden_size"] // SIZES[size]["num_attention_heads"],
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory)
@@ -74,48 +108,267 @@ def write_prm_rows(path: Path, rows: int, max_length: int) -> None:
             f.write(json.dumps({"prompt": prompt, "completions": steps, "labels": labels}) + "\n")
 
 
-def run(name: str, command: list[str], out: Path) -> dict:
-    """One run as a subprocess; its summary.json, with the wall time and the command."""
-    print(f"== {name}: {' '.join(command)}", flush=True)
+# ---- a subprocess with a time limit, killed with all its descendants
+
+def _parent_pids() -> dict[int, int]:
+    """pid -> parent pid of every process /proc shows (empty without /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+                parents[int(entry)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                pass  # it ended meanwhile
+    return parents
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for child, parent in _parent_pids().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _signal(pid: int, sig: int, group: bool = False) -> None:
+    try:
+        if group:
+            if os.getpgid(pid) != os.getpgrp():  # never this script's own group
+                os.killpg(os.getpgid(pid), sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL to the process, its group and every descendant (torchrun's workers start their own sessions, so
+    its group alone would leave them running, and they would be orphaned once torchrun dies): the tree is frozen
+    with SIGSTOP first, so that nothing in it starts another process meanwhile. SIGKILL, not SIGTERM: the scripts
+    save a checkpoint on SIGTERM, which takes long on a real model."""
+    _signal(process.pid, signal.SIGSTOP, group=True)
+    tree: set[int] = set()
+    for _ in range(5):  # until no new descendant shows up
+        found = descendants(process.pid) - tree
+        if not found:
+            break
+        for pid in found:
+            _signal(pid, signal.SIGSTOP)
+        tree |= found
+    _signal(process.pid, signal.SIGKILL, group=True)
+    for pid in tree:
+        _signal(pid, signal.SIGKILL, group=True)
+        _signal(pid, signal.SIGKILL)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # Linux (glibc or musl)
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _child_setup() -> None:
+    """In the child before exec: its own process group, and SIGKILL when this script dies (PR_SET_PDEATHSIG, Linux
+    only), so that a kill of this script does not leave the run going on (torchrun's workers excepted)."""
+    os.setpgrp()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in this script around the start
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGKILL))
+
+
+def trim_log(path: Path) -> None:
+    size = path.stat().st_size if path.exists() else 0
+    if size <= LOG_LIMIT:
+        return
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+        f.seek(size - (3 << 20))
+        tail = f.read()
+    path.write_bytes(head + f"\n[... {size - len(head) - len(tail):,} bytes cut ...]\n".encode() + tail)
+
+
+def step_times(run_dir: Path) -> list[float]:
+    """The step_time_s of every step in run_dir/metrics.jsonl, as far as the run got."""
+    times = []
+    try:
+        with open(run_dir / "metrics.jsonl") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                if isinstance(row, dict) and isinstance(row.get("step_time_s"), (int, float)):
+                    times.append(float(row["step_time_s"]))
+    except OSError:
+        pass
+    return times
+
+
+def run(name: str, command: list[str], run_dir: Path, log: Path, timeout: float, keep_models: bool = False) -> dict:
+    """One run as a subprocess, its output appended to log as it goes; its summary.json with the wall time, the
+    command and the per-step times, or an error row (non-zero exit, timeout, no summary) with the steps done. A
+    signal to this script kills the run and raises Stopped with the run's row."""
+    print(f"== {name} (at most {timeout:.0f} s, log {log.name}): {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    process = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    if process.returncode != 0:
-        print(process.stdout[-2000:], process.stderr[-4000:], sep="\n", flush=True)
-        return {"name": name, "error": f"exit code {process.returncode}", "command": command}
-    with open(out / name / "summary.json") as f:
-        summary = json.load(f)
-    return {"name": name, "wall_s": time.perf_counter() - start, "command": command, **summary}
+    row: dict = {"name": name, "command": command}
+    stopped = None
+    shutil.rmtree(run_dir, ignore_errors=True)  # no step times from an earlier check in the same --work-dir
+    with open(log, "ab") as f:
+        f.write(f"== {name}: {' '.join(command)}\n".encode())
+        f.flush()
+        # the stop signals wait until the run is started, so that a stop cannot leave it started and untracked
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **CHILD_ENV},
+                                       stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                       preexec_fn=_child_setup)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        try:
+            code = process.wait(timeout=timeout)
+            row["error"] = f"exit code {code}" if code else None
+        except subprocess.TimeoutExpired:
+            kill_tree(process)
+            row["error"] = f"timed out after {timeout:.0f} s"
+        except (Stopped, KeyboardInterrupt) as stop:
+            kill_tree(process)
+            stopped = stop if isinstance(stop, Stopped) else Stopped(signal.SIGINT)
+            row["error"] = str(stopped)
+        row["wall_s"] = time.perf_counter() - start
+        row["step_times_s"] = step_times(run_dir)
+        f.write(f"== {name}: {row['error'] or 'done'} after {row['wall_s']:.1f} s\n".encode())
+    trim_log(log)
+    if row["error"] is None:
+        del row["error"]
+        try:
+            with open(run_dir / "summary.json") as f:
+                summary = json.load(f)
+            row = {**row, **summary}
+        except (OSError, ValueError) as error:
+            row["error"] = f"no summary.json ({type(error).__name__})"
+    if not keep_models:  # gigabytes each on the real size; the results are read
+        for path in run_dir.glob("*"):
+            if path.is_dir() and (path.name in ("final", "final.tmp") or path.name.startswith("checkpoint-")):
+                shutil.rmtree(path, ignore_errors=True)
+    if "error" in row:
+        print(f"!! {name}: {row['error']}; the end of {log}:", flush=True)
+        try:
+            print("\n".join(log.read_text(errors="replace").splitlines()[-40:]), flush=True)
+        except OSError:
+            pass
+    else:
+        print(f"== {name}: {row['steps']} steps, {_number(row.get('step_time_s_mean'), '.3f')} s/step, "
+              f"{row['wall_s']:.1f} s in all", flush=True)
+    if stopped is not None:
+        stopped.row = row
+        raise stopped
+    return row
 
 
-def table(results: list[dict]) -> str:
-    lines = ["| run | steps | s/step | generated tok/s | trained tok/s | MFU | peak memory MiB |",
-             "|---|---|---|---|---|---|---|"]
+# ---- the report
+
+def _number(value, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        return "-"
+    return f"{scale * value:{spec}}{suffix}"
+
+
+def table(results: list[dict], pending: list[str] = ()) -> str:
+    lines = [("| run | steps | s/step (mean, first excluded) | s/step (each) | generated tok/s | trained tok/s | MFU | "
+              "peak memory MiB |"),
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
+        each = ", ".join(f"{t:.3f}" for t in r.get("step_times_s", [])) or "-"
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['error']} | | | | | |")
+            lines.append(f"| {r['name']} | {r['error']} | | {each} | | | | |")
             continue
-        trained = r.get("trained_tokens_per_s", r.get("tokens_per_s", float("nan")))
-        generated = r.get("generated_tokens_per_s")
-        mfu = r.get("mfu")
-        lines.append(f"| {r['name']} | {r['steps']} | {r['step_time_s_mean']:.3f} | "
-                     f"{f'{generated:,.0f}' if generated is not None else '-'} | {trained:,.0f} | "
-                     f"{f'{100 * mfu:.1f}%' if mfu is not None else '-'} | {r['peak_memory_mb']:,.0f} |")
+        trained = r.get("trained_tokens_per_s", r.get("tokens_per_s"))
+        lines.append(f"| {r['name']} | {r['steps']} | {_number(r.get('step_time_s_mean'), '.3f')} | {each} | "
+                     f"{_number(r.get('generated_tokens_per_s'), ',.0f')} | {_number(trained, ',.0f')} | "
+                     f"{_number(r.get('mfu'), '.1f', 100, '%')} | {_number(r.get('peak_memory_mb'), ',.0f')} |")
+    for name in pending:
+        lines.append(f"| {name} | not run (yet) | | | | | | |")
     return "\n".join(lines)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def write_report(out: Path, header: str, info: dict, results: list[dict], pending: list[str],
+                 echo: bool = False) -> None:
+    """OUT/gpu_check.md and OUT/gpu_check.json, rewritten whole after every run."""
+    report = header + "\n" + table(results, pending)
+    if echo:
+        print(report, flush=True)
+    _write_atomically(out / "gpu_check.md", report + "\n")
+    _write_atomically(out / "gpu_check.json", json.dumps({**info, "results": results, "pending": pending}, indent=2))
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in ("torch", "transformers", "tyro", "peft"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            found.append(f"{package} missing")
+    return ", ".join(found)
+
+
+def device_name(device: str) -> str:
+    if not device.startswith("cuda"):
+        return f"CPU ({os.cpu_count()} cores)"
+    try:
+        import torch
+
+        return torch.cuda.get_device_name()
+    except Exception as error:  # the report is still written
+        return f"CUDA device (name unread: {type(error).__name__}: {error})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="gpu-check", help="where the model, the runs and the results go")
+    parser.add_argument("--out", default="gpu-check", help="where the report and the logs go (small files only)")
+    parser.add_argument("--work-dir", default="/tmp/gpu_check", help="where the model, the rows and the runs go")
     parser.add_argument("--size", choices=list(SIZES), default="qwen0.5b")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu to check this script on a small size")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU; 0 = guess from the device name")
+    parser.add_argument("--timeout", type=float, default=170.0, help="seconds each run may take before it is killed")
+    parser.add_argument("--deadline", type=float, default=0.0,
+                        help="seconds from this script's start by which every run is done or killed (0 = none)")
+    parser.add_argument("--only", default=",".join(RUN_NAMES), help=f"comma-separated, of {', '.join(RUN_NAMES)}")
+    parser.add_argument("--keep-models", action="store_true", help="keep each run's final/ and checkpoints")
     args = parser.parse_args()
-    import torch
+    started = time.perf_counter()
+    names = [name for name in args.only.split(",") if name]
+    unknown = sorted(set(names) - set(RUN_NAMES))
+    if unknown or not names or len(set(names)) < len(names):
+        parser.error(f"--only: {args.only!r} (unknown: {unknown}); name each run once, of {', '.join(RUN_NAMES)}")
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_stopped)
+    os.environ.update({k: v for k, v in CHILD_ENV.items() if k != "WANDB_MODE"})  # no hub look-ups here either
 
-    out = Path(args.out).resolve()
+    out, work = Path(args.out).resolve(), Path(args.work_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model_dir, rows_path = out / "model", out / "prm_rows.jsonl"
+    for old in ["gpu_check.md", "gpu_check.json", "runs.log", *(f"{name}.log" for name in RUN_NAMES)]:
+        (out / old).unlink(missing_ok=True)  # a rerun into the same OUT
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, rows_path = work / "model", work / "prm_rows.jsonl"
     parameters = build_model(args.size, model_dir)
     (grpo_steps, prompts, group, new_tokens), (prm_steps, batch, max_length), fsdp_steps = WORKLOADS[args.size]
     write_prm_rows(rows_path, batch * prm_steps * 2, max_length)
@@ -131,24 +384,43 @@ def main() -> None:
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     fsdp = {script: [*torchrun, "tests/fsdp_on_cpu.py", script] if args.device == "cpu"
             else [*torchrun, f"{script}.py"] for script in ("grpo", "prm")}
-    results = [
-        run("grpo", [python, "grpo.py", *grpo_flags, "--output-dir", str(out / "grpo")], out),
-        run("prm", [python, "prm.py", *prm_flags, "--output-dir", str(out / "prm")], out),
-        run("grpo-fsdp", [*fsdp["grpo"], *grpo_flags, "--total-steps", str(fsdp_steps), "--fsdp",
-                          "--output-dir", str(out / "grpo-fsdp")], out),
-        run("prm-fsdp", [*fsdp["prm"], *prm_flags, "--total-steps", str(fsdp_steps), "--fsdp",
-                         "--output-dir", str(out / "prm-fsdp")], out),
-    ]
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+    commands = {
+        "grpo": [python, "grpo.py", *grpo_flags],
+        "prm": [python, "prm.py", *prm_flags],
+        "grpo-fsdp": [*fsdp["grpo"], *grpo_flags, "--total-steps", str(fsdp_steps), "--fsdp"],
+        "prm-fsdp": [*fsdp["prm"], *prm_flags, "--total-steps", str(fsdp_steps), "--fsdp"],
+    }
+    commands = {name: [*command, "--output-dir", str(work / name)] for name, command in commands.items()}
+    device = device_name(args.device)
     header = (f"{args.size}-shaped model, {parameters:,} parameters, random weights, bf16 (FSDP runs: fp32 sharded "
-              f"weights, bf16 compute), on {device}; torch {torch.__version__}\n"
+              f"weights, bf16 compute), on {device}; {versions()}\n"
               f"grpo: {prompts} prompts x {group} completions, {new_tokens} new tokens, KL 0.05 (reference model); "
-              f"prm: batch {batch}, --max-length {max_length}\n")
-    report = header + "\n" + table(results)
-    print(report)
-    (out / "gpu_check.md").write_text(report + "\n")
-    with open(out / "gpu_check.json", "w") as f:
-        json.dump({"device": device, "size": args.size, "parameters": parameters, "results": results}, f, indent=2)
+              f"prm: batch {batch}, --max-length {max_length}; at most {args.timeout:.0f} s a run"
+              + (f", {args.deadline:.0f} s in all" if args.deadline else "") + "\n")
+    info = {"device": device, "size": args.size, "parameters": parameters, "versions": versions()}
+    results: list[dict] = []
+    write_report(out, header, info, results, names)
+    stopped = None
+    try:
+        for i, name in enumerate(names):
+            log = out / (f"{name}.log" if len(names) <= MAX_LOG_FILES else "runs.log")
+            timeout = args.timeout
+            if args.deadline:
+                timeout = min(timeout, args.deadline - (time.perf_counter() - started) - 5)
+            if args.deadline and timeout < 10:
+                results.append({"name": name, "error": "skipped: --deadline reached", "command": commands[name]})
+            else:
+                try:
+                    results.append(run(name, commands[name], work / name, log, timeout, args.keep_models))
+                except Stopped as stop:
+                    results.append(stop.row or {"name": name, "error": str(stop), "command": commands[name]})
+                    raise
+            write_report(out, header, info, results, names[i + 1:])
+    except Stopped as stop:  # in a run (its row is in) or between runs (the runs left are listed as not run)
+        stopped = stop
+    write_report(out, header, info, results, names[len(results):], echo=True)
+    if stopped is not None:
+        sys.exit(128 + stopped.signum)
     sys.exit(1 if any("error" in r for r in results) else 0)
 
 
