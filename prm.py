@@ -173,7 +173,7 @@ class Args:
     """shard weights, gradients and optimiser state over the processes with FSDP2 (CUDA only; for models that do
     not fit one GPU): weights stay fp32, the backbone computes in --dtype"""
     peak_tflops: float = 0.0
-    """peak dense bf16 TFLOP/s of one device, for MFU; 0 = guess from the CUDA device name"""
+    """peak dense TFLOP/s of one device in the run's dtype, for MFU; 0 = look up a bf16 run's by the GPU's name"""
 
     # Derived (filled in at the top of train)
     run_name: tyro.conf.Suppress[str] = ""
@@ -1106,11 +1106,11 @@ def peak_memory_mb(device) -> float:
 
 
 # dense bf16 peaks (no sparsity) in TFLOP/s, the specific names before the general ones they contain
-PEAK_TFLOPS = (("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-               ("H800", 989.0), ("H20", 148.0), ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0),
-               ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
-               ("A30", 165.0), ("RTX 6000 Ada", 364.0), ("RTX A6000", 155.0), ("4090", 165.0), ("3090", 71.0),
-               ("V100", 125.0), ("T4", 65.0))
+PEAK_TFLOPS = (("H200 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0),
+               ("H100", 989.0), ("H800 PCIe", 756.0), ("H800", 989.0), ("H20", 148.0), ("GB200", 2500.0),
+               ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+               ("A10G", 70.0), ("A10", 125.0), ("A30", 165.0), ("RTX 6000 Ada", 364.0), ("RTX A6000", 155.0),
+               ("4090 D", 147.0), ("4090", 165.0), ("3090 Ti", 80.0), ("3090", 71.0))
 
 
 def guess_peak_tflops(device_name: str) -> float:
@@ -1617,10 +1617,12 @@ def train(args: Args) -> dict:
                 / max(sum(step_times[timed]), 1e-9))
     summary["model_tflops_per_s"] = achieved / 1e12
     if device.type == "cuda" and step_times:
-        peak = args.peak_tflops or guess_peak_tflops(torch.cuda.get_device_name(device))
+        # the table holds bf16 peaks: an fp32 run (TF32 or not) has another, which only the user can give
+        peak = args.peak_tflops or (guess_peak_tflops(torch.cuda.get_device_name(device))
+                                    if dtype == torch.bfloat16 else 0.0)
         if not peak:
-            print0(f"warning: no peak FLOP/s known for {torch.cuda.get_device_name(device)}: mfu is NaN; pass "
-                   "--peak-tflops (its dense bf16 figure)", file=sys.stderr, enabled=is_main)
+            print0(f"warning: no {dtype} peak FLOP/s known for {torch.cuda.get_device_name(device)}: mfu is NaN; "
+                   "pass --peak-tflops (the device's dense figure in that dtype)", file=sys.stderr, enabled=is_main)
         summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
     elif step_times:
         measured = matmul_flops_per_s(device, dtype)

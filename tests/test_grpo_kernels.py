@@ -1359,7 +1359,8 @@ def test_lora_targets_any_layer_peft_adapts():
 @pytest.mark.parametrize("name, tflops", [
     ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
     ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0),
-    ("NVIDIA H20", 148.0), ("NVIDIA A10G", 70.0),
+    ("NVIDIA H20", 148.0), ("NVIDIA A10G", 70.0), ("NVIDIA GH200 480GB", 989.0), ("NVIDIA H800 PCIe", 756.0),
+    ("NVIDIA GeForce RTX 4090 D", 147.0), ("Tesla V100-SXM2-16GB", 0.0),  # no bf16: auto runs fp32 there
     ("NVIDIA RTX A1000", 0.0),  # not an A100: names match as whole words
     ("Some Future GPU", 0.0),  # unknown: MFU is NaN and a warning asks for --peak-tflops
 ])
