@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The wheels that the lent GPU machine (nvidia-h200: Python 3.12, torch 2.11, transformers 5.17, no tyro) lacks or
 # has too old for grpo.py / prm.py, downloaded into .whl/ for `run` to carry (see benchmarks/README.md). Run here,
-# from the repository root, once per session; .whl/ is ignored through .git/info/exclude, never .gitignore.
+# from the repository root, once per session; .whl/ is ignored through the repository's info/exclude (.git/info/exclude,
+# or the main checkout's in a git worktree, where .git is a file), never .gitignore.
 #
 #   tyro 1.0.17        grpo.py / prm.py parse their flags with it; not on the device
 #   typeguard 4.6.1    tyro: typeguard>=4.0.0; not on the device
@@ -16,7 +17,8 @@
 # All pure-Python (py3-none-any): about 15 MiB together.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qxF /.whl/ .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo /.whl/ >> .git/info/exclude; }
+exclude=$(git rev-parse --git-path info/exclude)  # .git/info/exclude, but not in a worktree
+grep -qxF /.whl/ "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")" && echo /.whl/ >> "$exclude"; }
 rm -rf .whl
 mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

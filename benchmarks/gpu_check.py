@@ -5,13 +5,14 @@ vocabulary, tied embeddings) and a character tokenizer, then runs, in bf16:
   1. grpo.py: 5 steps, 8 prompts x 8 completions, 256 new tokens, KL to a reference model (a frozen copy);
   2. prm.py: 20 steps, batch 16, rows of 1,021 tokens with 10 labelled steps (--max-length 1024);
   3. both again for a few steps with --fsdp under `torchrun --nproc_per_node 1`: the sharded code path (mixed
-     precision, gathered checkpoints, generation through FSDP) on CUDA and NCCL;
+     precision, gathered checkpoints, generation through FSDP) on CUDA and NCCL. Always last, whatever the order
+     --only gives, so that a --deadline cuts these, not the main figures (a second call with --only can run them);
 and prints each run's per-step times (from its metrics.jsonl) and their mean (first step excluded), generated and
 trained tokens/s, MFU and peak memory as a Markdown table, also written with the device name to
 OUT/gpu_check.md and OUT/gpu_check.json.
 
-    python benchmarks/gpu_check.py --out gpu-check                          # on the GPU: about 5 min
-    python benchmarks/gpu_check.py --size tiny --device cpu --out /tmp/gc   # the same runs, shrunk (a test)
+    python benchmarks/gpu_check.py --out gpu-check --timeout 120 --deadline 270   # on the GPU: at most 4.5 min
+    python benchmarks/gpu_check.py --size tiny --device cpu --out /tmp/gc         # the same runs, shrunk (a test)
 
 Made to lose nothing to a hang or a kill: each run is a subprocess in its own process group (torchrun's workers,
 which start their own sessions, are found through /proc and killed with it), stopped after --timeout seconds
@@ -74,6 +75,15 @@ class Stopped(Exception):
 
 def _raise_stopped(signum: int, frame) -> None:
     raise Stopped(signum)
+
+
+def take_pending_stop() -> None:
+    """Lets a stop signal that came while they were blocked in this thread be raised here (the mask is kept)."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def build_model(size: str, directory: Path) -> int:
@@ -152,24 +162,31 @@ def kill_tree(process: subprocess.Popen) -> None:
     """SIGKILL to the process, its group and every descendant (torchrun's workers start their own sessions, so
     its group alone would leave them running, and they would be orphaned once torchrun dies): the tree is frozen
     with SIGSTOP first, so that nothing in it starts another process meanwhile. SIGKILL, not SIGTERM: the scripts
-    save a checkpoint on SIGTERM, which takes long on a real model."""
-    _signal(process.pid, signal.SIGSTOP, group=True)
-    tree: set[int] = set()
-    for _ in range(5):  # until no new descendant shows up
-        found = descendants(process.pid) - tree
-        if not found:
-            break
-        for pid in found:
-            _signal(pid, signal.SIGSTOP)
-        tree |= found
-    _signal(process.pid, signal.SIGKILL, group=True)
-    for pid in tree:
-        _signal(pid, signal.SIGKILL, group=True)
-        _signal(pid, signal.SIGKILL)
+    save a checkpoint on SIGTERM, which takes long on a real model. The stop signals are blocked meanwhile (a stop
+    in the middle would leave the tree frozen, not killed) and delivered afterwards, if still unblocked then."""
+    if process.returncode is not None:
+        return  # reaped already: its pid may be another process's now
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
+        _signal(process.pid, signal.SIGSTOP, group=True)
+        tree: set[int] = set()
+        for _ in range(5):  # until no new descendant shows up
+            found = descendants(process.pid) - tree
+            if not found:
+                break
+            for pid in found:
+                _signal(pid, signal.SIGSTOP)
+            tree |= found
+        _signal(process.pid, signal.SIGKILL, group=True)
+        for pid in tree:
+            _signal(pid, signal.SIGKILL, group=True)
+            _signal(pid, signal.SIGKILL)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a stop that came meanwhile is raised here
 
 
 try:
@@ -218,33 +235,63 @@ def step_times(run_dir: Path) -> list[float]:
 def run(name: str, command: list[str], run_dir: Path, log: Path, timeout: float, keep_models: bool = False) -> dict:
     """One run as a subprocess, its output appended to log as it goes; its summary.json with the wall time, the
     command and the per-step times, or an error row (non-zero exit, timeout, no summary) with the steps done. A
-    signal to this script kills the run and raises Stopped with the run's row."""
+    signal to this script kills the run and raises Stopped with the run's row.
+
+    The stop signals are blocked in this thread from the run's start to the end of this function, but for the wait
+    on the run: a stop cannot leave the run started and untracked, interrupt its killing (kill_tree) or throw away
+    the row of a finished run. One that came during the start is taken at the wait (the run is killed); one that
+    comes after the wait is left pending to the end, where it is raised as Stopped with the row, or, if the caller
+    blocks them too (main, which blocks them before any other thread starts, so that they reach this thread only),
+    at the caller's next take_pending_stop()."""
     print(f"== {name} (at most {timeout:.0f} s, log {log.name}): {' '.join(command)}", flush=True)
     start = time.perf_counter()
     row: dict = {"name": name, "command": command}
-    stopped = None
     shutil.rmtree(run_dir, ignore_errors=True)  # no step times from an earlier check in the same --work-dir
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        row, stopped = _run_blocked(name, command, run_dir, log, timeout, keep_models, start, row)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a stop left pending replaces the error
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a stop left pending is raised here, if let in
+    except (Stopped, KeyboardInterrupt) as stop:
+        if stopped is None:  # it came after the run (killed by the first one otherwise): the row stands as it is
+            stopped = stop if isinstance(stop, Stopped) else Stopped(signal.SIGINT)
+    if stopped is not None:
+        stopped.row = row
+        raise stopped
+    return row
+
+
+def _run_blocked(name: str, command: list[str], run_dir: Path, log: Path, timeout: float, keep_models: bool,
+                 start: float, row: dict) -> tuple[dict, Stopped | None]:
+    """run()'s work, called with the stop signals blocked: (the row, the Stopped that came during the run)."""
+    stopped = None
     with open(log, "ab") as f:
         f.write(f"== {name}: {' '.join(command)}\n".encode())
         f.flush()
-        # the stop signals wait until the run is started, so that a stop cannot leave it started and untracked
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **CHILD_ENV},
+                                   stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                   preexec_fn=_child_setup)
         try:
-            process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **CHILD_ENV},
-                                       stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                       preexec_fn=_child_setup)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        try:
-            code = process.wait(timeout=timeout)
+            try:
+                # the only place where a stop gets in; one that came during the start is raised right here
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+                code = process.wait(timeout=timeout)
+            finally:
+                signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             row["error"] = f"exit code {code}" if code else None
         except subprocess.TimeoutExpired:
             kill_tree(process)
             row["error"] = f"timed out after {timeout:.0f} s"
         except (Stopped, KeyboardInterrupt) as stop:
-            kill_tree(process)
             stopped = stop if isinstance(stop, Stopped) else Stopped(signal.SIGINT)
-            row["error"] = str(stopped)
+            if process.returncode is None:
+                kill_tree(process)
+                row["error"] = str(stopped)
+            else:  # the run ended just before the stop was raised: its row stands
+                row["error"] = f"exit code {process.returncode}" if process.returncode else None
         row["wall_s"] = time.perf_counter() - start
         row["step_times_s"] = step_times(run_dir)
         f.write(f"== {name}: {row['error'] or 'done'} after {row['wall_s']:.1f} s\n".encode())
@@ -270,10 +317,7 @@ def run(name: str, command: list[str], run_dir: Path, log: Path, timeout: float,
     else:
         print(f"== {name}: {row['steps']} steps, {_number(row.get('step_time_s_mean'), '.3f')} s/step, "
               f"{row['wall_s']:.1f} s in all", flush=True)
-    if stopped is not None:
-        stopped.row = row
-        raise stopped
-    return row
+    return row, stopped
 
 
 # ---- the report
@@ -299,6 +343,9 @@ def table(results: list[dict], pending: list[str] = ()) -> str:
                      f"{_number(r.get('mfu'), '.1f', 100, '%')} | {_number(r.get('peak_memory_mb'), ',.0f')} |")
     for name in pending:
         lines.append(f"| {name} | not run (yet) | | | | | | |")
+    lines.append("\ntrained tok/s: for prm, tokens_per_s (trained tokens over the whole step); for grpo, "
+                 "trained_tokens_per_s (over the update phase alone: generation, reference and reward time left "
+                 "out, as generated tok/s is over the generation phase alone). All over the steps after the first.")
     return "\n".join(lines)
 
 
@@ -351,7 +398,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=170.0, help="seconds each run may take before it is killed")
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="seconds from this script's start by which every run is done or killed (0 = none)")
-    parser.add_argument("--only", default=",".join(RUN_NAMES), help=f"comma-separated, of {', '.join(RUN_NAMES)}")
+    parser.add_argument("--only", default=",".join(RUN_NAMES),
+                        help=f"comma-separated, of {', '.join(RUN_NAMES)} (the --fsdp ones are run last)")
     parser.add_argument("--keep-models", action="store_true", help="keep each run's final/ and checkpoints")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -359,8 +407,14 @@ def main() -> None:
     unknown = sorted(set(names) - set(RUN_NAMES))
     if unknown or not names or len(set(names)) < len(names):
         parser.error(f"--only: {args.only!r} (unknown: {unknown}); name each run once, of {', '.join(RUN_NAMES)}")
+    # the --fsdp runs last, whatever the order given: a --deadline then cuts them, not the main figures
+    names.sort(key=lambda name: name.endswith("-fsdp"))
     for sig in STOP_SIGNALS:
         signal.signal(sig, _raise_stopped)
+    # blocked from here on in this thread, before any other starts (torch's, CUDA's): every thread inherits the
+    # block, so that a stop reaches this thread alone, and only where it lets them in: in the wait on a run (run())
+    # and between runs (take_pending_stop()), never while a run is started or killed or its row recorded
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     os.environ.update({k: v for k, v in CHILD_ENV.items() if k != "WANDB_MODE"})  # no hub look-ups here either
 
     out, work = Path(args.out).resolve(), Path(args.work_dir).resolve()
@@ -403,6 +457,7 @@ def main() -> None:
     stopped = None
     try:
         for i, name in enumerate(names):
+            take_pending_stop()  # one that came since: during the model's build or the last run's bookkeeping
             log = out / (f"{name}.log" if len(names) <= MAX_LOG_FILES else "runs.log")
             timeout = args.timeout
             if args.deadline:
@@ -416,6 +471,7 @@ def main() -> None:
                     results.append(stop.row or {"name": name, "error": str(stop), "command": commands[name]})
                     raise
             write_report(out, header, info, results, names[i + 1:])
+        take_pending_stop()
     except Stopped as stop:  # in a run (its row is in) or between runs (the runs left are listed as not run)
         stopped = stop
     write_report(out, header, info, results, names[len(results):], echo=True)

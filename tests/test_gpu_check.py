@@ -8,8 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import pytest
 from conftest import REPO_ROOT
 
 SCRIPT = "benchmarks/gpu_check.py"
@@ -79,6 +81,7 @@ def test_gpu_check_runs_every_job_on_a_small_size(tmp_path):
     assert results["prm"]["dropped_steps"] == 0
     markdown = (out / "gpu_check.md").read_text()
     assert "| grpo-fsdp | 2 |" in markdown
+    assert "trained tok/s: for prm, tokens_per_s" in markdown  # the note under the table on the mixed column
     assert ", ".join(f"{t:.3f}" for t in results["prm"]["step_times_s"]) in markdown
     # OUT: the report and one log per run, small; the model and the runs in --work-dir, without their final models
     assert_small_outputs(out, results)
@@ -106,15 +109,105 @@ def test_a_run_past_its_timeout_is_killed_with_its_workers_and_recorded(tmp_path
     assert "launched" in log.read_text()  # the output went to the log as the run went
 
 
+@pytest.fixture
+def gpu_check_stopping():
+    """gpu_check with its handlers for the stop signals in this process (as its main() sets them, so that a stop
+    raises Stopped); the handlers and this thread's signal mask are restored after, and no stop may be left
+    pending. The tests send their signal to this thread alone (pthread_kill), so that it cannot land in another
+    thread of the test process."""
+    gpu_check = load_gpu_check()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    previous = {sig: signal.signal(sig, gpu_check._raise_stopped) for sig in gpu_check.STOP_SIGNALS}
+    try:
+        yield gpu_check
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask, "run() left the stop signals blocked"
+        assert not signal.sigpending() & set(gpu_check.STOP_SIGNALS), "a stop was left pending"
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_this_thread() -> None:
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+
+def test_a_stop_while_a_run_starts_kills_and_reaps_it_and_records_it(tmp_path, monkeypatch, gpu_check_stopping):
+    """The stop signals are blocked while the run is started; a SIGTERM that comes then is raised once they are let
+    in again, which must be where the run is killed (and reaped), not before."""
+    gpu_check, started, real_popen = gpu_check_stopping, [], subprocess.Popen
+
+    def popen_then_stop(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        stop_this_thread()  # blocked: pending until run() lets it in
+        return started[-1]
+
+    monkeypatch.setattr(gpu_check.subprocess, "Popen", popen_then_stop)
+    log, begun = tmp_path / "start.log", time.perf_counter()
+    with pytest.raises(gpu_check.Stopped) as stopped:
+        gpu_check.run("start", [sys.executable, "-c", "import time; time.sleep(600)", str(tmp_path)],
+                      tmp_path / "run", log, timeout=60)
+    assert time.perf_counter() - begun < 30
+    assert stopped.value.signum == signal.SIGTERM and stopped.value.row is not None
+    assert stopped.value.row["name"] == "start" and stopped.value.row["error"] == "stopped by signal SIGTERM"
+    assert len(started) == 1 and started[0].returncode == -signal.SIGKILL  # killed and reaped (no zombie)
+    assert_no_process_left(str(tmp_path))
+    assert "== start: stopped by signal SIGTERM" in log.read_text()
+
+
+def test_a_stop_while_a_run_is_killed_lets_the_kill_finish(tmp_path, monkeypatch, gpu_check_stopping):
+    """A SIGTERM in the middle of kill_tree (after its SIGSTOP, during its search of /proc) must not leave the tree
+    frozen: it is raised once the tree is killed, with the timed-out run's row."""
+    gpu_check = gpu_check_stopping
+    real_descendants = gpu_check.descendants
+    worker_pid = tmp_path / "worker.pid"
+    launcher = ("import subprocess, sys, time; "
+                f"w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {str(tmp_path)!r}], "
+                "start_new_session=True); "
+                f"open({str(worker_pid)!r}, 'w').write(str(w.pid)); time.sleep(600)")
+
+    def descendants_then_stop(pid):
+        stop_this_thread()
+        return real_descendants(pid)
+
+    monkeypatch.setattr(gpu_check, "descendants", descendants_then_stop)
+    with pytest.raises(gpu_check.Stopped) as stopped:
+        gpu_check.run("kill", [sys.executable, "-c", launcher, str(tmp_path)], tmp_path / "run", tmp_path / "kill.log",
+                      timeout=3)
+    assert worker_pid.is_file(), "the launcher had not started its worker: the check did not check"
+    assert stopped.value.row["error"] == "timed out after 3 s"
+    assert_no_process_left(str(tmp_path))
+
+
+def test_a_stop_after_a_run_keeps_its_row(tmp_path, monkeypatch, gpu_check_stopping):
+    """A SIGTERM during the bookkeeping of a finished run (the log's trim here) is raised with the run's full row."""
+    gpu_check = gpu_check_stopping
+    real_trim_log = gpu_check.trim_log
+    run_dir = tmp_path / "run"
+    writer = ("import json, os, sys; os.makedirs(sys.argv[1]); "
+              "json.dump({'steps': 2, 'step_time_s_mean': 0.5}, open(os.path.join(sys.argv[1], 'summary.json'), 'w'))")
+
+    def trim_log_then_stop(path):
+        stop_this_thread()
+        real_trim_log(path)
+
+    monkeypatch.setattr(gpu_check, "trim_log", trim_log_then_stop)
+    with pytest.raises(gpu_check.Stopped) as stopped:
+        gpu_check.run("done", [sys.executable, "-c", writer, str(run_dir)], run_dir, tmp_path / "done.log", timeout=60)
+    row = stopped.value.row
+    assert "error" not in row and row["steps"] == 2 and row["step_time_s_mean"] == 0.5
+
+
 def test_timed_out_runs_are_recorded_and_the_report_written(tmp_path):
+    """Also: the --fsdp runs go last, whatever the order --only gives (a --deadline cuts them first)."""
     out, work = tmp_path / "out", tmp_path / "work"
     process = subprocess.run([sys.executable, SCRIPT, "--size", "tiny", "--device", "cpu", "--out", str(out),
                               "--work-dir", str(work), "--only", "prm-fsdp,grpo", "--timeout", "3"],
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert process.returncode == 1, process.stdout[-3000:] + process.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
-    assert [(r["name"], r["error"]) for r in report["results"]] == [("prm-fsdp", "timed out after 3 s"),
-                                                                     ("grpo", "timed out after 3 s")]
+    assert [(r["name"], r["error"]) for r in report["results"]] == [("grpo", "timed out after 3 s"),
+                                                                     ("prm-fsdp", "timed out after 3 s")]
     assert "| prm-fsdp | timed out after 3 s |" in (out / "gpu_check.md").read_text()
     assert_small_outputs(out, ["prm-fsdp", "grpo"])
     assert_no_process_left(str(tmp_path))
