@@ -915,10 +915,20 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
             raise UserError(f"--prm-path: {error}") from None
         separator = args.prm_step_separator or process_reward_model.config["step_separator"]
 
+        truncation_reported = []
+
         def prm_reward(prompts: list[str], completions: list[str]) -> list[float]:
-            """Split each completion into steps as prm.py's training rows are, score every step, aggregate."""
-            steps = [prm.split_steps(completion, separator) or [completion] for completion in completions]
+            """Split each completion into steps as prm.py's training rows are, score every step, aggregate. An
+            empty completion has no step and gets 0.0, a surely wrong solution's score (scoring it as one empty
+            step would reward saying nothing). Steps past the PRM's max length get no score (warned once)."""
+            steps = [prm.split_steps(completion, separator) for completion in completions]
             scores = prm.score_steps(process_reward_model, prompts, steps)
+            cut = sum(len(step_scores) < len(row_steps) for step_scores, row_steps in zip(scores, steps))
+            if cut and not truncation_reported:
+                truncation_reported.append(cut)
+                print0(f"warning: {cut} of {len(completions)} completions have steps past the PRM's max length "
+                       f"({process_reward_model.config['max_length']} tokens): only the steps before it are scored; "
+                       "lower --max-new-tokens or train the PRM with a larger --max-length", file=sys.stderr)
             return [prm.aggregate_scores(step_scores, args.prm_aggregate) for step_scores in scores]
 
         fns.append(("prm", prm_reward, args.prm_weight))

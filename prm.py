@@ -799,6 +799,9 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
 
         base = config["backbone"]
         base = os.path.join(path, base) if os.path.isdir(os.path.join(path, base)) else base
+        if os.path.isabs(base) and not os.path.isdir(base):
+            raise UserError(f"{path}: its LoRA adapter's base model {base} (\"backbone\" in prm_config.json) does not "
+                            "exist; point that field at the base model's new place or its hub name")
         backbone = AutoModel.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
         backbone = PeftModel.from_pretrained(backbone, path)
     else:

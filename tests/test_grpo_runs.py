@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import grpo
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--total-steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
@@ -35,8 +38,6 @@ TINY_CHAT_TEMPLATE = ("{% for message in messages %}({{ message['content'] }}){%
 
 
 def save_tiny(path: Path, chat_template: bool = False) -> Path:
-    import grpo
-
     tokenizer = grpo.build_tiny_tokenizer()
     if chat_template:
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
@@ -298,7 +299,7 @@ def test_default_run_learns_the_task(tmp_path):
     assert summary["eval_accuracy_end"] >= 0.9
 
 
-def test_prm_reward_from_a_trained_prm(tmp_path):
+def test_prm_reward_from_a_trained_prm(tmp_path, capsys):
     prm_dir = tmp_path / "prm"
     process = subprocess.run([sys.executable, "prm.py", "--output-dir", str(prm_dir), "--total-steps", "3",
                               "--eval-every", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
@@ -316,3 +317,18 @@ def test_prm_reward_from_a_trained_prm(tmp_path):
     for row in read_metrics(both):
         expected = row["reward_answer"] + 0.1 * row["reward_format"] + 0.5 * row["reward_prm"]
         assert row["reward"] == pytest.approx(expected, abs=1e-5)
+
+    # an empty completion has no step: 0.0, not the score of one made-up empty step (which the PRM may like)
+    args = grpo.Args(prm_path=str(prm_dir / "final"), answer_reward_weight=0, format_reward_weight=0)
+    (_, prm_reward, _), = grpo.make_reward_fns(args, torch.device("cpu"))
+    empty, whitespace, step = prm_reward(["start 3\n"] * 3, ["", "  ", "3+1=4"])
+    assert empty == whitespace == 0.0 and 0.0 < step < 1.0
+    # steps past the PRM's max length are not scored, and a warning says so (once)
+    config_path = prm_dir / "final" / "prm_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "max_length": 18}))
+    (_, prm_reward, _), = grpo.make_reward_fns(args, torch.device("cpu"))
+    prm_reward(["start 3\n"] * 2, ["3+1=4\n4+1=5\n5-1=4", "3+1=4"])
+    prm_reward(["start 3\n"], ["3+1=4\n4+1=5\n5-1=4"])
+    err = capsys.readouterr().err
+    assert err.count("warning: 1 of 2 completions have steps past the PRM's max length (18 tokens)") == 1
+    assert "of 1 completions" not in err

@@ -175,6 +175,15 @@ def test_max_length_beyond_the_models_positions(tmp_path, capsys):
     assert code == 2 and "--max-length 64 exceeds the model's 16 positions: pass --max-length 16" in err
 
 
+def test_a_lora_prm_whose_base_model_moved_is_named(tmp_path):
+    # prm_config.json keeps a local base model's absolute path: once it has moved, say which field to fix
+    saved = tmp_path / "prm"
+    prm.build_tiny_tokenizer().save_pretrained(saved)
+    (saved / "prm_config.json").write_text(json.dumps({"lora": True, "backbone": str(tmp_path / "moved_away")}))
+    with pytest.raises(prm.UserError, match=r'moved_away \("backbone" in prm_config.json\) does not exist'):
+        prm.load_prm(str(saved), device="cpu")
+
+
 def test_scoring_mode_bad_inputs(tmp_path, capsys):
     data = rows_file(tmp_path, '{"prompt": "p", "completions": ["a"]}')
     scores = tmp_path / "scores.jsonl"
