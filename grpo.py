@@ -1410,7 +1410,8 @@ def train(args: Args) -> dict:
                 shutil.rmtree(os.path.join(output_dir, f"checkpoint-{later}"))
             # (a final model at or before the checkpoint is this run's own past, the one it resumes from even: it
             # stays until this run writes its own)
-            if final_step(output_dir) is None or final_step(output_dir) > start_step:
+            final_at = final_step(output_dir)
+            if final_at is None or final_at > start_step:
                 shutil.rmtree(os.path.join(output_dir, "final"), ignore_errors=True)
             if os.path.isfile(os.path.join(output_dir, "summary.json")):
                 os.remove(os.path.join(output_dir, "summary.json"))
@@ -1692,8 +1693,7 @@ def train(args: Args) -> dict:
             }
             memory_samples.append(memory_mb(device))
             metrics = {**local, "learning_rate": applied_lr, "step_time_s": step_time,
-                       "generation_time_s": t_generated - step_start, "reward_time_s": t_rewarded - t_generated,
-                       "reference_time_s": t_referenced - t_rewarded, "update_time_s": t_updated - t_referenced,
+                       **{f"{part}_time_s": times[-1] for part, times in timings.items()},
                        "memory_mb": memory_samples[-1]}
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
                 eval_accuracy = metrics["eval_accuracy"] = run_eval(step + 1)
