@@ -2,7 +2,9 @@
 
 `RunLogger` writes one console line per step, one JSON object per step to `metrics.jsonl`, and, with
 `track=True`, the same metrics to Weights & Biases (imported lazily, never required; `WANDB_MODE=offline`
-works). Only the rank-0 process should log: pass `enabled=False` elsewhere.
+works). Only the rank-0 process should log: pass `enabled=False` elsewhere. The files are strict JSON: a
+non-finite value (a NaN loss, an MFU with no known peak) is written as null, which every JSON reader accepts
+(`NaN` is not JSON: jq and JavaScript reject it); the console and wandb show it as nan.
 """
 
 import json
@@ -77,7 +79,7 @@ class RunLogger:
         ]
         print0(" | ".join(parts))
         if self.metrics_file is not None:
-            self.metrics_file.write(json.dumps(row) + "\n")
+            self.metrics_file.write(json.dumps(_finite_or_null(row), allow_nan=False) + "\n")
             self.metrics_file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(row, step=step)
@@ -93,7 +95,7 @@ class RunLogger:
             print0(f"{key:<{width}}  {_format_value(value)}")
         if run_dir is not None:
             with open(os.path.join(run_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+                json.dump(_finite_or_null(summary), f, indent=2, allow_nan=False)
         if self.wandb_run is not None:
             self.wandb_run.summary.update(summary)
 
@@ -111,6 +113,17 @@ def _to_python(value):
         value = value.item()
     if isinstance(value, np.generic):
         value = value.item()
+    return value
+
+
+def _finite_or_null(value):
+    """value with every non-finite float in it, nested in dicts and lists too, replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
     return value
 
 
