@@ -107,6 +107,9 @@ class Args:
     row to the longest: little compute on padding; off by itself for a backbone that cannot (checked at start)"""
     skip_bad_rows: bool = False
     """skip and count invalid JSONL rows instead of stopping at the first one"""
+    backbone_dropout: bool = False
+    """train with the backbone's own dropout; off by default, as in TRL's PRMTrainer: with it, the packed and
+    padded batches of one step see different masks (the saved config.json keeps the rates either way)"""
     lora_r: int = 0
     """LoRA rank on the backbone (the head is always fully trained); 0 = full fine-tuning"""
     lora_alpha: int = 32
@@ -253,8 +256,10 @@ def first_error_f1(step_scores: list, step_labels: list, threshold: float) -> tu
     """ProcessBench's F1 over solutions (ragged lists of per-step scores and labels, one list per solution).
 
     The true first error is the first step with label < 0.5 (-1 for a fully correct solution); the predicted one
-    is the first step with score < threshold. acc_err = exact-match rate on erroneous solutions, acc_corr = the
-    rate of predicting -1 on correct ones, F1 = 2 acc_err acc_corr / (acc_err + acc_corr) (0 when both are 0).
+    is the first step with score < threshold. A solution may have fewer scores than labels (steps truncated away
+    unscored): a first error among the unscored steps is still its first error, which no prediction can hit, so
+    the solution counts as an erroneous one missed (not as a correct one). acc_err = exact-match rate on erroneous
+    solutions, acc_corr = the rate of predicting -1 on correct ones, F1 = 2 acc_err acc_corr / (acc_err + acc_corr) (0 when both are 0).
     Returns (f1, acc_err, acc_corr); an accuracy over no solutions, and then F1, is NaN.
     """
     hits = {True: [], False: []}  # keyed by "the solution has an error"
@@ -439,7 +444,11 @@ def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separato
     if len(input_ids) > max_length:
         return input_ids[:max_length], []
     label_positions = []
-    for piece in pieces[1:]:
+    for k, piece in enumerate(pieces[1:]):
+        if not piece:  # its label would land on the previous step's token (or on no token at all)
+            raise ValueError(f"step {k} ({steps[k]!r}) with the separator {step_separator!r} is no token at all, "
+                             "so no token can carry its label or score: this tokenizer drops the separator; "
+                             "remove empty steps, or pick a --step-separator that the tokenizer keeps")
         if len(input_ids) + len(piece) > max_length:
             break
         input_ids += piece
@@ -447,19 +456,24 @@ def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separato
     return input_ids, label_positions
 
 
-def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int) -> tuple[list[dict], int, int]:
-    """Examples {input_ids, positions, labels (of the kept steps)} for the rows that keep at least one step, and
-    the numbers of dropped steps and dropped rows."""
+def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int,
+                what: str = "training") -> tuple[list[dict], int, int]:
+    """Examples {input_ids, positions, labels (of the kept steps), all_labels} for the rows that keep at least one
+    step, and the numbers of dropped steps and dropped rows. what names the rows in errors."""
     examples, dropped_steps, dropped_rows = [], 0, 0
-    for row in rows:
-        input_ids, positions = build_prm_example(tokenizer, row["prompt"], row["completions"],
-                                                 step_separator=step_separator, max_length=max_length)
+    for number, row in enumerate(rows, start=1):
+        try:
+            input_ids, positions = build_prm_example(tokenizer, row["prompt"], row["completions"],
+                                                     step_separator=step_separator, max_length=max_length)
+        except ValueError as problem:
+            raise UserError(f"{what} row {number} (prompt {row['prompt'][:40]!r}): {problem}") from None
         dropped_steps += len(row["completions"]) - len(positions)
         if not positions:
             dropped_rows += 1
             continue
         labels = row["labels"][:len(positions)] if "labels" in row else None
-        examples.append({"input_ids": input_ids, "positions": positions, "labels": labels})
+        examples.append({"input_ids": input_ids, "positions": positions, "labels": labels,
+                         "all_labels": row.get("labels")})
     return examples, dropped_steps, dropped_rows
 
 
@@ -621,6 +635,7 @@ class ProcessRewardModel(torch.nn.Module):
         self.tokenizer = tokenizer
         self.config = config
         self.pack_rows = False  # pack batches (see collate); set by use_packing
+        self.dropout_rates = {}  # the backbone config's rates where training zeroed them, for the saved config
 
     def forward(self, input_ids, attention_mask, position_ids, positions) -> torch.Tensor:
         """input_ids [R, T] with attention_mask or position_ids [R, T] (see collate); positions [B, S] (label token
@@ -634,27 +649,61 @@ class ProcessRewardModel(torch.nn.Module):
 @torch.no_grad()
 def use_packing(prm: ProcessRewardModel) -> bool:
     """Packs batches (prm.pack_rows, see collate) if the backbone keeps packed examples apart, and says whether it
-    does. Most decoder models in transformers build a block-diagonal causal mask from position
-    ids that restart, when given no attention mask; one that does not would let an example attend to the one
-    before it, or place it at the wrong positions. Checked once, on two short examples: the second must come out
-    the same packed behind the first as alone."""
+    does. Most decoder models in transformers build a block-diagonal causal mask from position ids that restart,
+    when given no attention mask; one that does not would let an example attend to the one before it, or place
+    it at the wrong positions, and one with recurrent or convolutional layers (Mamba, Jamba, LFM2) carries state
+    across the boundary whatever the mask. Checked once, through the whole PRM (under FSDP only its forward
+    gathers the weights), scored at every token, in two ways:
+    - positions: a second example packed behind a first must come out as it does alone; 1% of the scale, which
+      bf16 rounding stays well below (the same example is computed in rows of other lengths);
+    - separation: one example packed behind two different first examples of the same length must come out the
+      same to 1e-5 of the scale. Masked keys add exact zeros, so a backbone that keeps examples apart gives equal
+      outputs bit for bit; a leak measured 1e-4 to 1e-1 of the scale on small random Jamba, LFM2 and BLOOM models,
+      which the positions check (1e-2) lets through.
+    Two packed rows each time, since some attention kernels (flash-attention's) recognise packing only in a batch
+    of one."""
     was_training = prm.training
     prm.eval()  # no dropout in the comparison
     device, vocab = prm.head.weight.device, prm.backbone.config.vocab_size
+
+    def run(rows: list[list[int]], lengths: list[list[int]], scored: list[int]) -> torch.Tensor:
+        """rows of packed examples of the given lengths, scored at token indices `scored` of each row"""
+        positions = [[k for n in row_lengths for k in range(n)] for row_lengths in lengths]
+        width = len(rows[0])
+        return prm(torch.tensor(rows, device=device), None, torch.tensor(positions, device=device),
+                   torch.tensor([[r * width + k for k in scored] for r in range(len(rows))], device=device))
+
     first, second = [i % vocab for i in range(3, 8)], [i % vocab for i in range(8, 12)]
-    # through the whole PRM (under FSDP only its forward gathers the weights), scored at every token; two packed
-    # rows, since some attention kernels (flash-attention's) recognise packing only in a batch of one
     alone = [prm(torch.tensor([ids], device=device), None, None, torch.arange(len(ids), device=device)[None])
              for ids in (first, second)]
-    restart = [list(range(len(first))) + list(range(len(second))), list(range(len(second))) + list(range(len(first)))]
-    packed = prm(torch.tensor([first + second, second + first], device=device), None,
-                 torch.tensor(restart, device=device), torch.tensor([[5, 6, 7, 8], [14, 15, 16, 17]], device=device))
-    prm.train(was_training)
-    # 1% of the scale: bf16 rounding stays well below it, a leak moves scores by about their own size
+    packed = run([first + second, second + first], [[5, 4], [4, 5]], [5, 6, 7, 8])
     expected = torch.cat([alone[1], alone[0][:, 1:]])  # [2, 4]: second, then first's last four tokens
-    apart = bool((packed - expected).abs().max() <= 1e-2 * expected.abs().max() + 1e-6)
-    prm.pack_rows = apart
-    return apart
+    positions_right = bool((packed - expected).abs().max() <= 1e-2 * expected.abs().max() + 1e-6)
+    before = [[(3 + k) % vocab for k in range(12)], [(50 + 7 * k) % vocab for k in range(12)]]
+    behind = run([row + second for row in before], [[12, 4], [12, 4]], [12, 13, 14, 15])  # [2, 4]
+    kept_apart = bool((behind[0] - behind[1]).abs().max() <= 1e-5 * behind.abs().max() + 1e-7)
+    prm.train(was_training)
+    prm.pack_rows = positions_right and kept_apart
+    return prm.pack_rows
+
+
+def disable_dropout(backbone: torch.nn.Module) -> dict:
+    """Zeroes every nn.Dropout, the rates attention layers apply themselves (transformers' `self.attention_dropout`,
+    read in train mode) and those in the config (GPT-Neo and Persimmon read `config.attention_dropout` in their
+    forward). Returns the config's rates as they were, for the saved config.json: whoever trains the backbone
+    further gets its dropout back."""
+    for module in backbone.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    original_rates = {}
+    for name, value in list(vars(backbone.config).items()):
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            original_rates[name] = value
+            setattr(backbone.config, name, 0.0)
+    return original_rates
 
 
 def apply_lora(backbone, args: Args):
@@ -732,7 +781,10 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
     """Backbone (with LoRA when --lora-r > 0) and a new head, on the CPU. Also returns a copy of the base backbone
     when an adapter will need one saved beside it (the random-init tiny model cannot be reloaded by name)."""
     backbone, tokenizer = load_backbone_and_tokenizer(args.model, dtype, args.trust_remote_code)
-    hidden_size = backbone.config.hidden_size
+    with torch.no_grad():  # the head reads what the backbone returns, not always hidden_size wide (OPT-350m: 512)
+        one_token = torch.zeros(1, 1, dtype=torch.long)
+        hidden_size = backbone(input_ids=one_token, use_cache=False).last_hidden_state.shape[-1]
+    dropout_rates = {} if args.backbone_dropout else disable_dropout(backbone)  # before LoRA: --lora-dropout stays
     base_copy, where = None, "."  # where the saved PRM finds its backbone: "." = final/ itself
     if args.lora_r > 0:
         base_copy = copy.deepcopy(backbone) if args.model == "tiny" else None
@@ -742,7 +794,9 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
     config = {"base_model": args.model, "backbone": where, "lora": args.lora_r > 0, "lora_r": args.lora_r,
               "hidden_size": hidden_size, "step_separator": args.step_separator, "max_length": args.max_length,
               "loss_kind": args.loss_kind}
-    return ProcessRewardModel(backbone, hidden_size, tokenizer, config), base_copy
+    prm = ProcessRewardModel(backbone, hidden_size, tokenizer, config)
+    prm.dropout_rates = dropout_rates
+    return prm, base_copy
 
 
 def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None,
@@ -764,6 +818,12 @@ def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Op
     prm.backbone.save_pretrained(temporary, max_shard_size="1000GB", state_dict=backbone)
     if base_backbone is not None:
         base_backbone.save_pretrained(os.path.join(temporary, "base"), max_shard_size="1000GB")
+    for config_path in (os.path.join(temporary, "config.json"), os.path.join(temporary, "base", "config.json")):
+        if prm.dropout_rates and os.path.isfile(config_path):  # the model's own rates, not training's zeros
+            with open(config_path) as f:
+                saved_config = json.load(f)
+            with open(config_path, "w") as f:
+                json.dump({**saved_config, **prm.dropout_rates}, f, indent=2, sort_keys=True)
     prm.tokenizer.save_pretrained(temporary)
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in head.items()},
               os.path.join(temporary, "reward_head.safetensors"))
@@ -841,10 +901,13 @@ def score_steps(prm: ProcessRewardModel, prompts: list[str], steps: list[list[st
     score: a solution's list has one score per kept step, its first steps (empty when the prompt alone is too
     long; aggregate_scores gives that 0.0)."""
     examples = []
-    for prompt, solution in zip(prompts, steps, strict=True):
-        input_ids, positions = build_prm_example(prm.tokenizer, prompt, solution,
-                                                 step_separator=prm.config["step_separator"],
-                                                 max_length=prm.config["max_length"])
+    for number, (prompt, solution) in enumerate(zip(prompts, steps, strict=True), start=1):
+        try:
+            input_ids, positions = build_prm_example(prm.tokenizer, prompt, solution,
+                                                     step_separator=prm.config["step_separator"],
+                                                     max_length=prm.config["max_length"])
+        except ValueError as problem:
+            raise ValueError(f"solution {number}: {problem}") from None
         examples.append({"input_ids": input_ids, "positions": positions, "labels": None})
     scored = [e for e in examples if e["positions"]]
     results = iter(predict(prm, scored, batch_size))
@@ -1147,9 +1210,14 @@ def step_flops(body_weights: int, tokens: int, full_finetune: bool) -> float:
 
 
 def evaluate(scores: list[list[float]], labels: list[list[float]], threshold: float) -> dict:
-    """Step accuracy at 0.5, step AUROC and first-error F1 at the given threshold, over held-out solutions."""
+    """Step accuracy at 0.5, step AUROC and first-error F1 at the given threshold, over held-out solutions: each
+    one's scores of its kept steps and labels of all its steps (see first_error_f1). All NaN when a score is not
+    finite (a diverged model), which the metrics would otherwise rank or threshold as if it were a number."""
     flat_scores = [s for row in scores for s in row]
-    flat_labels = [y for row in labels for y in row]
+    flat_labels = [y for row_scores, row in zip(scores, labels, strict=True) for y in row[:len(row_scores)]]
+    if not np.isfinite(flat_scores).all():
+        return {"eval_step_accuracy": float("nan"), "eval_auroc": float("nan"), "eval_first_error_f1": float("nan"),
+                "eval_first_error_threshold": threshold}
     return {"eval_step_accuracy": step_accuracy(flat_scores, flat_labels),
             "eval_auroc": auroc(flat_scores, flat_labels),
             "eval_first_error_f1": first_error_f1(scores, labels, threshold)[0],
@@ -1160,8 +1228,8 @@ def evaluate_prm(prm, val_examples: list[dict], eval_examples: list[dict], batch
     """The first-error threshold is chosen on validation rows, then every metric is taken on the eval rows."""
     threshold = 0.5
     if val_examples and eval_examples:
-        threshold = choose_threshold(predict(prm, val_examples, batch_size), [e["labels"] for e in val_examples])
-    return evaluate(predict(prm, eval_examples, batch_size), [e["labels"] for e in eval_examples], threshold)
+        threshold = choose_threshold(predict(prm, val_examples, batch_size), [e["all_labels"] for e in val_examples])
+    return evaluate(predict(prm, eval_examples, batch_size), [e["all_labels"] for e in eval_examples], threshold)
 
 
 def write_scores(path: str, rows: list[dict], scores: list[list[float]]) -> None:
@@ -1183,7 +1251,11 @@ def score_file(args: Args) -> dict:
     start = time.perf_counter()
     rows, skipped = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
     prm = load_prm(args.prm_path, device, dtype, args.trust_remote_code)
-    scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows], args.eval_batch_size)
+    try:
+        scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows],
+                             args.eval_batch_size)
+    except ValueError as problem:  # a step that tokenises to nothing
+        raise UserError(f"{args.score_data_path}, {problem}") from None
     write_scores(args.scores_output, rows, scores)
     summary = {"rows": len(rows), "skipped_rows": skipped, "scored_steps": sum(len(s) for s in scores),
                "dropped_steps": sum(len(r["completions"]) - len(s) for r, s in zip(rows, scores, strict=True)),
@@ -1291,8 +1363,8 @@ def train(args: Args) -> dict:
     # ---- tokenisation, once; steps that do not fit are dropped and counted
     dropped_steps = dropped_rows = 0
     encoded = []
-    for rows in (train_rows, val_rows, eval_rows):
-        examples, steps_lost, rows_lost = encode_rows(tokenizer, rows, args.step_separator, args.max_length)
+    for rows, what in ((train_rows, "training"), (val_rows, "validation"), (eval_rows, "eval")):
+        examples, steps_lost, rows_lost = encode_rows(tokenizer, rows, args.step_separator, args.max_length, what)
         encoded.append(examples)
         dropped_steps, dropped_rows = dropped_steps + steps_lost, dropped_rows + rows_lost
     train_examples, val_examples, eval_examples = encoded
@@ -1428,9 +1500,9 @@ def train(args: Args) -> dict:
     baseline = {"eval_step_accuracy": float("nan"), "eval_auroc": float("nan"), "eval_first_error_f1": float("nan")}
     if eval_examples:
         val_threshold = choose_threshold(position_baseline(train_labels, [len(e["labels"]) for e in val_examples]),
-                                         [e["labels"] for e in val_examples]) if val_examples else 0.5
+                                         [e["all_labels"] for e in val_examples]) if val_examples else 0.5
         baseline = evaluate(position_baseline(train_labels, [len(e["labels"]) for e in eval_examples]),
-                            [e["labels"] for e in eval_examples], val_threshold)
+                            [e["all_labels"] for e in eval_examples], val_threshold)
     if saved_eval is not None:  # the step-0 figures come from the checkpoint: the summary reads as one run
         eval_start, eval_metrics = saved_eval
     else:

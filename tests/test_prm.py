@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers.modeling_outputs import BaseModelOutput
 
 import prm
 
@@ -183,6 +184,38 @@ def merging_bpe_tokenizer(with_bos: bool = True):
                                    bos_token="<s>" if with_bos else None)
 
 
+def whitespace_dropping_tokenizer():
+    """A WordPiece tokenizer as BERT's (and some GPT-2 checkpoints') are: whitespace only splits words, so a
+    newline separator, or a blank step with it, is no token at all."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer()
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.train_from_iterator(["start 3\n3+1=4\n4-2=2\n"] * 50, trainers.WordPieceTrainer(
+        vocab_size=60, special_tokens=["[PAD]", "[UNK]"], show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=wordpiece, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def test_a_step_that_tokenises_to_nothing_is_an_error():
+    """A blank step whose separator the tokenizer drops has no token of its own: its label would land on the
+    previous step's token (two labels on one token), or before the first token (index -1, read from another
+    example of the batch)."""
+    tokenizer = whitespace_dropping_tokenizer()
+    assert tokenizer(" \n", add_special_tokens=False)["input_ids"] == []
+    ids, positions = prm.build_prm_example(tokenizer, "start 3", ["3+1=4", "4-2=2"], step_separator="\n",
+                                           max_length=100)
+    assert len(positions) == 2 and positions[0] < positions[1] == len(ids) - 1  # labels on the steps' last tokens
+    for prompt, steps, k in (("start 3", ["3+1=4", " ", "4-2=2"], 1), ("", ["", "3+1=4"], 0)):
+        with pytest.raises(ValueError, match=f"step {k} .* is no token at all.*pick a --step-separator"):
+            prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n", max_length=100)
+    rows = [{"prompt": "start 3", "completions": ["3+1=4"], "labels": [1.0]},
+            {"prompt": "start 3", "completions": ["3+1=4", " "], "labels": [1.0, 0.0]}]
+    with pytest.raises(prm.UserError, match=r"^validation row 2 \(prompt 'start 3'\): step 1 \(' '\)"):
+        prm.encode_rows(tokenizer, rows, "\n", 100, "validation")
+
+
 @pytest.mark.parametrize("separator", ["\n", "\n\n"])
 def test_build_prm_example_with_a_bpe_whose_merges_cross_step_boundaries(separator):
     tokenizer = merging_bpe_tokenizer()
@@ -254,6 +287,43 @@ def test_first_error_f1_by_hand():
     assert prm.first_error_f1(scores, labels, 0.0) == pytest.approx((0.0, 0.0, 1.0))
     f1, acc_err, acc_corr = prm.first_error_f1(scores[2:], labels[2:], 0.5)  # no erroneous solution at all
     assert math.isnan(f1) and math.isnan(acc_err) and acc_corr == 0.5
+
+
+def test_a_first_error_truncated_away_is_a_miss_not_a_correct_solution():
+    """Solution 0 kept two correct steps of three; its error (step 2) was truncated away unscored. It is still an
+    erroneous solution, and no prediction can hit its first error (ProcessBench scores the full solution)."""
+    scores, labels = [[0.9, 0.9], [0.9, 0.8]], [[1, 1, 0], [1, 1]]
+    assert prm.first_error_f1(scores, labels, 0.5) == pytest.approx((0.0, 0.0, 1.0))
+    metrics = prm.evaluate(scores, labels, 0.5)  # step metrics over the four scored steps only
+    assert metrics["eval_step_accuracy"] == 1.0 and math.isnan(metrics["eval_auroc"])
+    assert metrics["eval_first_error_f1"] == 0.0
+
+
+def test_evaluation_keeps_the_full_labels_of_truncated_rows(monkeypatch):
+    """encode_rows keeps each row's full labels beside those of its kept steps, and evaluate_prm scores against
+    them: a row whose error was truncated away counts as missed (with the kept labels alone it would pass as a
+    correct solution, F1 1.0 here instead of 2/3)."""
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    rows = [{"prompt": "1+1=", "completions": ["1+1=2", "2+2=4", "4+4=9"], "labels": [1.0, 1.0, 0.0]},
+            {"prompt": "2+3=", "completions": ["2+3=5"], "labels": [1.0]},
+            {"prompt": "3+3=", "completions": ["3+3=7"], "labels": [0.0]}]
+    examples, dropped_steps, _ = prm.encode_rows(model.tokenizer, rows, "\n", 18)
+    assert dropped_steps == 1 and examples[0]["labels"] == [1.0, 1.0] and examples[0]["all_labels"] == [1, 1, 0]
+    scores_by_length = {2: [0.9, 0.9], 1: None}  # row 0: no error flagged; rows 1, 2: by their label
+
+    def predict(_, chosen, batch_size):
+        return [scores_by_length[len(e["labels"])] or [0.9 if e["labels"][0] else 0.1] for e in chosen]
+
+    monkeypatch.setattr(prm, "predict", predict)
+    metrics = prm.evaluate_prm(model, examples[1:], examples, 8)
+    assert metrics["eval_first_error_f1"] == pytest.approx(2 / 3) and metrics["eval_step_accuracy"] == 1.0
+
+
+def test_non_finite_scores_make_every_metric_nan():
+    """A diverged model's NaN scores would otherwise rank highest in AUROC and never fall below a threshold."""
+    metrics = prm.evaluate([[0.9, float("nan")], [0.2]], [[1, 0], [0]], 0.5)
+    assert all(math.isnan(metrics[k]) for k in ("eval_step_accuracy", "eval_auroc", "eval_first_error_f1"))
+    assert prm.evaluate([[0.9, 0.1], [0.2]], [[1, 0], [0]], 0.5)["eval_auroc"] == 1.0
 
 
 def test_choose_threshold_finds_the_best_f1():
@@ -420,11 +490,72 @@ class PositionBlindBackbone(torch.nn.Module):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
 
 
+def test_the_head_reads_the_width_the_backbone_returns(tmp_path):
+    """OPT-350m projects its 1024-wide hidden states down to 512 (word_embed_proj_dim) before returning them."""
+    from transformers import OPTConfig, OPTModel
+
+    tokenizer = prm.build_tiny_tokenizer()
+    torch.manual_seed(0)
+    OPTModel(OPTConfig(hidden_size=32, word_embed_proj_dim=16, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2,
+                       vocab_size=len(tokenizer), max_position_embeddings=64)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, _ = prm.build_prm(prm.Args(model=str(tmp_path), max_length=64), torch.float32)
+    assert model.head.in_features == 16 and model.config["hidden_size"] == 16
+    scores = prm.score_steps(model, ["3+4=", "1+1="], [["3+4=7", "7"], ["1+1=2"]])
+    assert [len(row) for row in scores] == [2, 1] and all(0.0 < x < 1.0 for row in scores for x in row)
+
+
+@pytest.mark.parametrize("backbone_dropout", [False, True])
+def test_backbone_dropout_is_off_unless_asked_and_the_saved_config_keeps_it(backbone_dropout, tmp_path):
+    """A GPT-2 with dropout everywhere (embeddings, attention, residuals: 0.1 to 0.3): training runs without it
+    by default (two passes agree; with --backbone-dropout they do not), and config.json keeps the rates."""
+    from transformers import GPT2Config, GPT2Model
+
+    tokenizer = prm.build_tiny_tokenizer()
+    rates = {"attn_pdrop": 0.3, "embd_pdrop": 0.1, "resid_pdrop": 0.2}
+    GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tokenizer), n_positions=64, **rates)
+              ).save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    model, _ = prm.build_prm(prm.Args(model=str(tmp_path / "gpt2"), max_length=64,
+                                      backbone_dropout=backbone_dropout), torch.float32)
+    model.train()
+    ids, positions = torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.tensor([[2, 5]])
+    first, second = model(ids, None, None, positions), model(ids, None, None, positions)
+    assert torch.equal(first, second) != backbone_dropout
+    prm.save_prm(str(tmp_path / "saved"), model)
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert {name: saved[name] for name in rates} == rates
+
+
 def test_packing_is_refused_for_a_backbone_that_would_mix_examples():
     torch.manual_seed(0)
     model, _ = prm.build_prm(prm.Args(), torch.float32)
     model.backbone = PositionBlindBackbone(model.backbone)
     model.pack_rows = True
+    assert not prm.use_packing(model) and not model.pack_rows
+
+
+class ShortConvBackbone(torch.nn.Module):
+    """A backbone with a width-2 causal convolution after its last layer, as recurrent and convolutional layers
+    (LFM2, Mamba) have: each token also reads the token before it, across example boundaries, whatever the mask.
+    The leak (1e-3 of the scale) is far too small for the check against each example alone."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.inner, self.config = backbone, backbone.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        hidden = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=use_cache).last_hidden_state  # [R, T, H]
+        previous = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
+        return BaseModelOutput(last_hidden_state=hidden + 1e-3 * previous)
+
+
+def test_packing_is_refused_for_a_backbone_that_carries_state_across_examples():
+    torch.manual_seed(0)
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    assert prm.use_packing(model) and model.pack_rows  # the tiny Llama keeps packed examples apart
+    model.backbone = ShortConvBackbone(model.backbone)
     assert not prm.use_packing(model) and not model.pack_rows
 
 
