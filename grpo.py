@@ -291,8 +291,9 @@ def grpo_loss(
     bnpo and dapo are the same split-invariant token mean.)
 
     stats (detached, masked token means over this part): ratio_mean, clip_frac_low (A<0 and r < 1-eps_low:
-    the clip is active and the token gets no gradient), clip_frac_high (A>0 and r > 1+eps_high), kl_mean,
-    pg_loss; plus `tokens`, this part's token count, to weight them when combining parts.
+    the clip is active and the token gets no gradient), clip_frac_high (A>0 and r > 1+eps_high, or with delta
+    A<0 and r > delta: bounded above, no gradient either), kl_mean, pg_loss; plus `tokens`, this part's token
+    count, to weight them when combining parts.
     """
     mask = mask.to(logp.dtype)
     num_sequences = total_sequences if total_sequences is not None else logp.shape[0]
@@ -329,7 +330,10 @@ def grpo_loss(
     with torch.no_grad():
         local_tokens = mask.sum().clamp(min=1.0)
         low = ((adv < 0) & (ratio < 1.0 - clip_eps_low)).to(mask.dtype)
-        high = ((adv > 0) & (ratio > 1.0 + clip_eps_high)).to(mask.dtype)
+        high = (adv > 0) & (ratio > 1.0 + clip_eps_high)
+        if delta is not None:
+            high |= (adv < 0) & (ratio > delta)
+        high = high.to(mask.dtype)
         stats = {
             "ratio_mean": (ratio * mask).sum() / local_tokens,
             "clip_frac_low": (low * mask).sum() / local_tokens,
@@ -405,11 +409,16 @@ def load_jsonl_prompts(path: str) -> list[dict]:
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise UserError(f"{path}:{line_number}: each row needs a string field \"prompt\"")
         answer = row.get("answer")
+        if isinstance(answer, float) and not math.isfinite(answer):  # json reads NaN and Infinity as numbers
+            raise UserError(f"{path}:{line_number}: the answer is {answer}, which no completion can equal (a "
+                            "missing value written as NaN?); give the reference answer")
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             # positional notation: str(5e-05) is "5e-05", whose first number is 5
             answer = str(answer) if isinstance(answer, int) else format(Decimal(repr(answer)), "f")
         if not isinstance(answer, str):
             raise UserError(f"{path}:{line_number}: each row needs a field \"answer\" (a string or a number)")
+        if not answer.strip():  # an empty completion would equal it: the policy would learn to stop at once
+            raise UserError(f"{path}:{line_number}: the answer is empty; give the reference answer")
         rows.append({"prompt": row["prompt"], "answer": answer, "where": f"{path}:{line_number}"})
     if not rows:
         raise UserError(f"{path} holds no rows")
@@ -533,6 +542,11 @@ def build_tiny_model(tokenizer):
     return LlamaForCausalLM(config)
 
 
+# the files of a tokenizer saved with save_pretrained (fast or slow), one of which a model directory needs
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool):
     """`tiny` is built here; anything else goes through AutoModelForCausalLM / AutoTokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -540,17 +554,33 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
     if name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer()
         return build_tiny_model(tokenizer).to(dtype), tokenizer
+    if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        raise UserError(f"could not load model {name_or_path!r}: the directory holds no config.json (a model saved "
+                        "with save_pretrained has one)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except OSError as error:
-        raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
-                        f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
-    if tokenizer.pad_token_id is None:
-        print0(f"note: the tokenizer of {name_or_path} has no pad token; using EOS ({tokenizer.eos_token!r}) to pad")
-        tokenizer.pad_token = tokenizer.eos_token
+    except (OSError, ValueError) as error:
+        # transformers' error for a directory without a tokenizer spans lines and its first one breaks off
+        if os.path.isdir(name_or_path) and not any(os.path.isfile(os.path.join(name_or_path, name))
+                                                   for name in TOKENIZER_FILES):
+            raise UserError(f"could not load model {name_or_path!r}: the directory has no tokenizer; save the "
+                            f"model's tokenizer into it with tokenizer.save_pretrained({name_or_path!r})") from None
+        if isinstance(error, OSError):
+            raise UserError(f"could not load model {name_or_path!r}: it is neither a local directory with a saved "
+                            f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
+        # e.g. a config of an architecture this transformers version does not know
+        raise UserError(f"could not load model {name_or_path!r}: {str(error).strip().splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:
         raise UserError(f"the tokenizer of {name_or_path} has no EOS token, so completions could never end")
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer.eos_token_id >= rows:  # EOS is fed back in the training pass when a completion ends early
+        raise UserError(f"the EOS id {tokenizer.eos_token_id} of {name_or_path}'s tokenizer is past the model's "
+                        f"{rows} embeddings: save the model after model.resize_token_embeddings(len(tokenizer))")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id >= rows:  # padding is masked: any id in range does
+        problem = "no pad token" if tokenizer.pad_token_id is None else f"a pad id past the model's {rows} embeddings"
+        print0(f"note: the tokenizer of {name_or_path} has {problem}; using EOS ({tokenizer.eos_token!r}) to pad")
+        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 
@@ -1260,7 +1290,10 @@ def train(args: Args) -> dict:
             model = apply_lora(model, args)
     else:
         if args.kl_coef != 0.0:  # the reference is the initial policy: copied before any resumed weights load
-            reference = copy.deepcopy(model).eval().requires_grad_(False)
+            # requires_grad stays on (it only ever runs under no_grad): for the non-contiguous hidden states that
+            # logits_to_keep slices, torch's matmul picks another kernel for a frozen weight, 1 ulp off the
+            # identical policy's; a KL gradient of pure rounding noise that AdamW would turn into full-size steps
+            reference = copy.deepcopy(model).eval()
         if resume_path:
             from safetensors.torch import load_file
 
@@ -1588,6 +1621,11 @@ def train(args: Args) -> dict:
                         loss_type=args.loss_type, max_completion_length=args.max_new_tokens, delta=args.delta,
                         kl_estimator=args.kl_estimator, total_sequences=total_sequences, total_tokens=total_tokens)
                     loss.backward()
+                    if not args.fsdp:  # bf16 weights: each micro-batch's gradient is added in fp32, not in bf16
+                        for p, m in zip(trainable, master):
+                            if m is not p and p.grad is not None:
+                                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                                p.grad = None
                     loss_sum += loss.detach()
                     if reported:
                         tokens = stats.pop("tokens")
@@ -1597,13 +1635,13 @@ def train(args: Args) -> dict:
                 # gradients: each process's loss is already divided by the global counts, so the sum is the mean
                 # (FSDP has summed them already, in its reduce-scatter)
                 if not args.fsdp:
-                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+                    grads = [m.grad if m.grad is not None else torch.zeros_like(m) for m in master]
                     if distributed:
                         flat = torch.cat([g.reshape(-1).float() for g in grads])
                         dist.all_reduce(flat)
                         grads = list(torch.split(flat, [g.numel() for g in grads]))
-                    for p, m, g in zip(trainable, master, grads):
-                        m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
+                    for m, g in zip(master, grads):
+                        m.grad = g.view_as(m).to(m.dtype)
                 grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
                                                            else float("inf"))
                 if hasattr(grad_norm, "full_tensor"):  # FSDP: a norm over shards, reduced over processes here

@@ -612,15 +612,18 @@ def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_rem
                             f"model nor a reachable hub id ({str(error).splitlines()[0]})") from None
         # e.g. a config of an architecture this transformers version does not know
         raise UserError(f"could not load model {name_or_path!r}: {str(error).strip().splitlines()[0]}") from None
-    if tokenizer.pad_token_id is None:  # pads are never attended to (right padding, masked): any id will do
-        notify = os.environ.get("RANK", "0") == "0"  # one note per run, not one per process
-        if tokenizer.eos_token is not None:
-            print0(f"note: the tokenizer of {name_or_path} has no pad token; using EOS ({tokenizer.eos_token!r}) "
-                   "to pad", enabled=notify)
+    rows = backbone.get_input_embeddings().num_embeddings
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id >= rows:  # pads are never attended to: any id in
+        notify = os.environ.get("RANK", "0") == "0"  # range will do; one note per run, not one per process
+        problem = "no pad token" if tokenizer.pad_token_id is None else f"a pad id past the model's {rows} embeddings"
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < rows:
+            print0(f"note: the tokenizer of {name_or_path} has {problem}; using EOS ({tokenizer.eos_token!r}) to pad",
+                   enabled=notify)
             tokenizer.pad_token = tokenizer.eos_token
         else:
-            print0(f"note: the tokenizer of {name_or_path} has neither a pad nor an EOS token; padding with id 0",
+            print0(f"note: the tokenizer of {name_or_path} has {problem} and no EOS to pad with; padding with id 0",
                    enabled=notify)
+            tokenizer.pad_token = None
     return backbone, tokenizer
 
 

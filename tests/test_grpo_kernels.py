@@ -329,8 +329,8 @@ def test_delta_bounds_negative_advantage():
     for adv_value in (-1.0, 1.0):
         adv = torch.tensor([adv_value], dtype=torch.float64)
         leaf = logp.clone().requires_grad_(True)
-        loss, _ = grpo_loss(leaf, old, None, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, delta=1.5,
-                            loss_type="bnpo")
+        loss, stats = grpo_loss(leaf, old, None, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, delta=1.5,
+                                loss_type="bnpo")
         loss.backward()
         if adv_value < 0:  # token losses |A|*max(min(r, 1.5), clip(r)) = 1.2, 1.4, 1.5, 1.5
             assert loss.item() == pytest.approx((1.2 + 1.4 + 1.5 + 1.5) / 4)
@@ -338,6 +338,9 @@ def test_delta_bounds_negative_advantage():
         else:  # delta > 1 + eps_high changes nothing for A > 0: every token is clipped at 1.28
             assert loss.item() == pytest.approx(-1.2 / 4 - 3 * 1.28 / 4)
             assert leaf.grad[0].tolist() == pytest.approx([-1.2 / 4, 0.0, 0.0, 0.0])
+        # the tokens without a gradient are the clipped ones, on the high side of the ratio for either sign
+        assert stats["clip_frac_high"].item() == pytest.approx(0.5 if adv_value < 0 else 0.75)
+        assert stats["clip_frac_low"].item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -41,6 +41,12 @@ def below_a_file(tmp_path: Path) -> str:
     return str(tmp_path / "a_file" / "out")
 
 
+def model_without_tokenizer(tmp_path: Path) -> str:
+    """A model directory with its config.json only: the tokenizer is what loading misses first."""
+    grpo.build_tiny_model(grpo.build_tiny_tokenizer()).config.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
 BAD_INPUTS = {
     "missing data file": (lambda tmp: ["--data-path", str(tmp / "nope.jsonl")], "does not exist"),
     "invalid json": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": "1"}\n{oops\n')],
@@ -52,6 +58,14 @@ BAD_INPUTS = {
     "empty data set": (lambda tmp: ["--data-path", bad_rows_file(tmp, "\n\n")], "holds no rows"),
     "prompt too long": (lambda tmp: ["--max-prompt-length", "4"], "longer than --max-prompt-length 4"),
     "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "could not load model"),
+    "model directory without config.json": (lambda tmp: ["--model", str(tmp)], "the directory holds no config.json"),
+    "model directory without a tokenizer": (
+        lambda tmp: ["--model", model_without_tokenizer(tmp)], "the directory has no tokenizer"),
+    "empty answer": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": " "}\n')],
+                     "rows.jsonl:1: the answer is empty"),
+    "NaN answer": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": 1}\n'
+                                                                  '{"prompt": "2", "answer": NaN}\n')],
+                   "rows.jsonl:2: the answer is nan, which no completion can equal"),
     "negative lora rank": (lambda tmp: ["--lora-r", "-1"], "--lora-r must be >= 0"),
     "group of one": (lambda tmp: ["--group-size", "1"], "--group-size must be at least 2"),
     "micro-batch larger than batch": (lambda tmp: ["--micro-batch-size", "1000"], "--micro-batch-size 1000 is larger"),
@@ -143,16 +157,38 @@ def test_resume_refuses_another_scripts_or_models_checkpoint(tmp_path, capsys):
     assert code == 2 and "--model 'other' there, 'tiny' here" in err
 
 
-def test_tokenizer_without_pad_token_falls_back_to_eos(tmp_path, capsys):
-    model_dir = save_tiny(tmp_path / "nopad")
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    config.pop("pad_token", None)
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    code, out, _ = run_main(["--output-dir", str(tmp_path / "out"), *QUICK, "--total-steps", "1", "--model",
-                             str(model_dir)], capsys, with_stdout=True)
-    assert code == 0
-    assert "has no pad token; using EOS ('<eos>') to pad" in out
+@pytest.mark.parametrize("pad", ["none", "past the embeddings"])
+def test_tokenizer_without_a_usable_pad_token_falls_back_to_eos(pad, tmp_path, capsys):
+    """No pad token, or one added to the tokenizer without resizing the model's embeddings (an IndexError at the
+    first padded prompt, a device-side assert on CUDA): finished rows and prompts are padded with EOS instead."""
+    from transformers import AutoTokenizer
+
+    model_dir = save_tiny(tmp_path / "model")
+    if pad == "none":
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        config.pop("pad_token", None)
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer.add_special_tokens({"pad_token": "<newpad>"})
+        tokenizer.save_pretrained(model_dir)
+    code, out, err = run_main(["--output-dir", str(tmp_path / "out"), *QUICK, "--total-steps", "1", "--model",
+                               str(model_dir)], capsys, with_stdout=True)
+    assert code == 0, err
+    problem = "no pad token" if pad == "none" else "a pad id past the model's"
+    assert f"has {problem}" in out and "using EOS ('<eos>') to pad" in out
     assert len(read_metrics(tmp_path / "out")) == 1
+
+
+def test_an_eos_id_past_the_embeddings_is_an_error(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    model_dir = save_tiny(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"eos_token": "<neweos>"})
+    tokenizer.save_pretrained(model_dir)
+    code, err = run_main(["--output-dir", str(tmp_path / "out"), *QUICK, "--model", str(model_dir)], capsys)
+    assert code == 2 and "is past the model's" in err and "resize_token_embeddings(len(tokenizer))" in err
 
 
 def test_reward_errors_are_reported_or_skipped(tmp_path, capsys, monkeypatch):

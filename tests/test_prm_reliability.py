@@ -291,19 +291,27 @@ def test_skip_bad_rows_skips_and_counts_every_kind(tmp_path, capsys):
     assert read_summary(out)["skipped_rows"] == 6 and read_summary(out)["train_rows"] == 27
 
 
-def test_tokenizer_without_pad_token_falls_back_to_eos(tmp_path, capsys):
+@pytest.mark.parametrize("pad", ["none", "past the embeddings"])
+def test_tokenizer_without_a_usable_pad_token_falls_back_to_eos(pad, tmp_path, capsys):
+    """No pad token, or one added to the tokenizer without resizing the model's embeddings (an IndexError at the
+    first padded batch): rows are padded with EOS instead."""
     model_dir = tmp_path / "nopad"
     tokenizer = prm.build_tiny_tokenizer()
     prm.build_tiny_backbone(tokenizer).save_pretrained(model_dir)
+    if pad == "past the embeddings":
+        tokenizer.add_special_tokens({"pad_token": "<newpad>"})
     tokenizer.save_pretrained(model_dir)
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    config.pop("pad_token", None)
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    if pad == "none":
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        config.pop("pad_token", None)
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
     code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--total-steps", "1", "--data-path",
-                                  small_data(tmp_path), "--model", str(model_dir)], capsys, with_stdout=True)
+                                  small_data(tmp_path), "--model", str(model_dir), "--no-pack-rows"], capsys,
+                                 with_stdout=True)
     assert code == 0, err
-    assert "has no pad token; using EOS ('<eos>') to pad" in stdout
+    problem = "no pad token" if pad == "none" else "a pad id past the model's"
+    assert f"has {problem}" in stdout and "using EOS ('<eos>') to pad" in stdout
     assert len(read_metrics(out)) == 1 and (out / "final" / "reward_head.safetensors").is_file()
 
 
