@@ -853,9 +853,7 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
     with open(config_path) as f:
         config = json.load(f)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is None:
-        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        dtype = torch.bfloat16 if native_bf16 else torch.float32  # (emulated bf16, on a V100 or T4, is slow)
+    dtype = dtype or auto_dtype(device)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if config["lora"]:
         from peft import PeftModel
@@ -1059,6 +1057,12 @@ def load_trainer_state(path: str) -> dict:
 def data_fingerprint(*row_lists: list[dict]) -> str:
     """A short hash of the training and validation rows: resuming on a changed data file is an error."""
     return hashlib.sha256(json.dumps(row_lists, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the GPU has it natively (emulated, on a V100 or T4, it is slow), else fp32."""
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.bfloat16 if native_bf16 else torch.float32
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -1286,10 +1290,7 @@ def train(args: Args) -> dict:
     evaluates = is_main or args.fsdp  # under FSDP every forward is a collective: all ranks evaluate (the same rows)
     args.local_batch = args.batch_size // args.world_size
     micro_batch = args.micro_batch_size or args.local_batch
-    # (auto: bf16 only where the GPU has it natively; emulated, on a V100 or T4, it is slow)
-    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
-                                             and torch.cuda.is_bf16_supported(including_emulation=False))
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    dtype = auto_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
     timestamp = int(time.time())
     if distributed:  # every rank uses rank 0's clock, so the run name is the same everywhere
         stamp = torch.tensor([timestamp], dtype=torch.long, device=device)
