@@ -553,7 +553,10 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
 
     if name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer()
-        return build_tiny_model(tokenizer).to(dtype), tokenizer
+        model = build_tiny_model(tokenizer)
+        for weight in model.parameters():  # not .to(dtype), which would round the fp32 rotary frequencies
+            weight.data = weight.data.to(dtype)  # (buffers) that from_pretrained recomputes when final/ is loaded
+        return model, tokenizer
     if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
         raise UserError(f"could not load model {name_or_path!r}: the directory holds no config.json (a model saved "
                         "with save_pretrained has one)")
@@ -1094,6 +1097,14 @@ def update_json(path: str, values: dict) -> None:
         json.dump({**contents, **values}, f, indent=2, sort_keys=True)
 
 
+def remove_directory(path: str) -> None:
+    """Renamed away, then deleted: a kill mid-way never leaves a half checkpoint or final/ under its name."""
+    if os.path.exists(path):
+        shutil.rmtree(path + ".old", ignore_errors=True)
+        os.replace(path, path + ".old")
+        shutil.rmtree(path + ".old")
+
+
 def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: dict, saved_config: dict,
                     state_dict: Optional[dict] = None, base_model=None) -> None:
     """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact.
@@ -1115,8 +1126,7 @@ def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: dict
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump({"script": "grpo.py", **asdict(args)}, f, indent=2)
     torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
-    if os.path.exists(path):
-        shutil.rmtree(path)
+    remove_directory(path)
     os.replace(temporary, path)
 
 
@@ -1140,8 +1150,8 @@ def final_step(output_dir: str) -> Optional[int]:
 
 
 # what a checkpoint must agree on with the run that resumes from it
-RESUME_MUST_MATCH = ("model", "data_path", "lora_r", "lora_target_modules", "prompts_per_step", "group_size",
-                     "num_iterations", "loss_type", "kl_coef", "seed", "fsdp")
+RESUME_MUST_MATCH = ("model", "data_path", "lora_r", "lora_alpha", "lora_target_modules", "chat_template",
+                     "prompts_per_step", "group_size", "num_iterations", "loss_type", "kl_coef", "seed", "fsdp")
 
 
 def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
@@ -1373,6 +1383,7 @@ def train(args: Args) -> dict:
     # ---- resume, logging
     start_step = 0
     bad_steps_in_a_row = skipped_updates = 0
+    saved_eval_start = None
     if resume_path:
         # (on the CPU first: the optimiser's load puts each state beside its parameter, on this process's device)
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
@@ -1409,6 +1420,7 @@ def train(args: Args) -> dict:
         for p, m in zip(trainable, master):
             p.data.copy_(m.data)
         start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
+        saved_eval_start = state.get("eval_start")  # (checkpoints written before it was kept have none)
         set_rng_state(state["rng"])
         # nothing left to train: the final model and summary stay as they are (without final/, a signal stopped the
         # run in its last step, and it goes on to the final evaluation and model)
@@ -1426,8 +1438,8 @@ def train(args: Args) -> dict:
     if is_main:
         if not resuming_here and args.overwrite:  # only what a run writes: the directory may hold other things
             for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-                if name in ("metrics.jsonl", "summary.json", "final", "final.tmp") or re.fullmatch(
-                        r"checkpoint-\d+(\.tmp)?", name):
+                if name in ("metrics.jsonl", "summary.json", "final", "final.tmp", "final.old") or re.fullmatch(
+                        r"checkpoint-\d+(\.tmp|\.old)?", name):
                     target = os.path.join(output_dir, name)
                     shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
         os.makedirs(output_dir, exist_ok=True)
@@ -1440,12 +1452,12 @@ def train(args: Args) -> dict:
         if resuming_here:  # the branch after the checkpoint is gone: `--resume-from latest` must not pick up its
             # checkpoints, nor a resume after a last-step signal take its final model for this run's
             for later in (step for step in checkpoint_steps(output_dir) if step > start_step):
-                shutil.rmtree(os.path.join(output_dir, f"checkpoint-{later}"))
+                remove_directory(os.path.join(output_dir, f"checkpoint-{later}"))
             # (a final model at or before the checkpoint is this run's own past, the one it resumes from even: it
             # stays until this run writes its own)
             final_at = final_step(output_dir)
             if final_at is None or final_at > start_step:
-                shutil.rmtree(os.path.join(output_dir, "final"), ignore_errors=True)
+                remove_directory(os.path.join(output_dir, "final"))
             if os.path.isfile(os.path.join(output_dir, "summary.json")):
                 os.remove(os.path.join(output_dir, "summary.json"))
     console = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
@@ -1471,7 +1483,8 @@ def train(args: Args) -> dict:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(), "dtype": str(dtype),
-                "data": fingerprint, "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p]},
+                "data": fingerprint, "eval_start": eval_accuracy_start,
+                "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p]},
                 saved_config, weights, base_model)
 
     def checkpoint(step: int) -> str:
@@ -1480,7 +1493,7 @@ def train(args: Args) -> dict:
         save_run_state(path, step)
         if is_main:
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
-                shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
+                remove_directory(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
 
     def run_eval(step: int) -> float:
@@ -1495,6 +1508,8 @@ def train(args: Args) -> dict:
         return accuracy
 
     eval_accuracy_start = eval_accuracy = run_eval(start_step)
+    if saved_eval_start is not None:  # a resumed run's summary starts where the run started: at step 0
+        eval_accuracy_start = saved_eval_start
     timings = {"generation": [], "reference": [], "reward": [], "update": []}  # seconds, per step
     step_times, step_model_flops, memory_samples = [], [], []
     generated_tokens, trained_tokens = [], []  # per step, this process's
@@ -1748,16 +1763,19 @@ def train(args: Args) -> dict:
                        f"python grpo.py <the same flags> --output-dir {output_dir} --resume-from {path}",
                        enabled=is_main)
                 break
+        total_time = time.perf_counter() - run_start
+        if not interrupted:
+            # the final model, with its trainer state so that a finished run can be taken further (--resume-from
+            # DIR/final), before the final evaluation and under the handlers above: a stop signal from the last
+            # step on no longer loses the steps since the last checkpoint
+            save_run_state(os.path.join(output_dir, "final"), start_step + len(step_times), tiny_base)
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
-    # ---- final evaluation, model, benchmark summary
-    total_time = time.perf_counter() - run_start
+    # ---- final evaluation, benchmark summary
     if not interrupted:
         eval_accuracy = run_eval(start_step + len(step_times))
-        # with its trainer state, so that a finished run can be taken further (--resume-from DIR/final)
-        save_run_state(os.path.join(output_dir, "final"), start_step + len(step_times), tiny_base)
     steps_done = len(step_times)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     summary = {

@@ -594,7 +594,10 @@ def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_rem
 
     if name_or_path == "tiny":
         tokenizer = build_tiny_tokenizer()
-        return build_tiny_backbone(tokenizer).to(dtype), tokenizer
+        backbone = build_tiny_backbone(tokenizer)
+        for weight in backbone.parameters():  # not .to(dtype), which would round the fp32 rotary frequencies
+            weight.data = weight.data.to(dtype)  # (buffers) that from_pretrained recomputes when final/ is loaded
+        return backbone, tokenizer
     if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
         raise UserError(f"could not load model {name_or_path!r}: the directory holds no config.json (a model saved "
                         "with save_pretrained has one)")
@@ -802,8 +805,23 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
     return prm, base_copy
 
 
+def remove_directory(path: str) -> None:
+    """Renamed away, then deleted: a kill mid-way never leaves a half checkpoint or final/ under its name."""
+    if os.path.exists(path):
+        shutil.rmtree(path + ".old", ignore_errors=True)
+        os.replace(path, path + ".old")
+        shutil.rmtree(path + ".old")
+
+
+def replace_directory(new: str, path: str) -> None:
+    """new renamed to path, an older path renamed away first: a kill at any moment leaves a complete directory at
+    path, or none and the complete new one beside it."""
+    remove_directory(path)
+    os.replace(new, path)
+
+
 def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None,
-             args: Optional[Args] = None, trainer_state: Optional[dict] = None) -> None:
+             args: Optional[Args] = None, trainer_state: Optional[dict] = None, step: Optional[int] = None) -> None:
     """final/: the backbone (full fine-tuning) or the LoRA adapter, reward_head.safetensors, the tokenizer and
     prm_config.json. A base that cannot be reloaded by name (the random-init tiny model) is saved under base/.
     A checkpoint-STEP/ holds the same files (so it also loads with load_prm) plus args.json and trainer_state.pt.
@@ -831,14 +849,12 @@ def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Op
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in head.items()},
               os.path.join(temporary, "reward_head.safetensors"))
     with open(os.path.join(temporary, "prm_config.json"), "w") as f:
-        json.dump(prm.config, f, indent=2)
+        json.dump({**prm.config, **({"step": step} if step is not None else {})}, f, indent=2)
     if trainer_state is not None:
         with open(os.path.join(temporary, "args.json"), "w") as f:
             json.dump({"script": "prm.py", **asdict(args)}, f, indent=2)
         torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    os.replace(temporary, path)
+    replace_directory(temporary, path)
 
 
 def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False) -> ProcessRewardModel:
@@ -853,7 +869,11 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
     with open(config_path) as f:
         config = json.load(f)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or auto_dtype(device)
+    if dtype is None:  # the dtype it was trained in, which gives the scores of the end of training; bf16 only on
+        # a GPU that has it natively (older PRMs, and bf16 ones elsewhere: auto_dtype)
+        trained_in = getattr(torch, config.get("dtype") or "none", None)
+        usable = trained_in == torch.float32 or device.type == "cpu" or auto_dtype(device) == trained_in
+        dtype = trained_in if isinstance(trained_in, torch.dtype) and usable else auto_dtype(device)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if config["lora"]:
         from peft import PeftModel
@@ -960,7 +980,18 @@ def checkpoint_steps(output_dir: str) -> list[int]:
                       os.path.join(output_dir, name, "trainer_state.pt")))
 
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "scores.jsonl", "final", "final.tmp")
+def final_step(output_dir: str) -> Optional[int]:
+    """The step of the final model in output_dir (from its prm_config.json), or None (none, or one saved before
+    final models recorded their step)."""
+    try:
+        with open(os.path.join(output_dir, "final", "prm_config.json")) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "scores.jsonl", "final", "final.tmp", "final.old")
 
 
 def holds_run(output_dir: str) -> bool:
@@ -974,7 +1005,7 @@ def clear_run(output_dir: str) -> None:
     if not os.path.isdir(output_dir):
         return
     for name in os.listdir(output_dir):
-        if name in RUN_FILES or re.fullmatch(r"checkpoint-\d+(\.tmp)?", name):
+        if name in RUN_FILES or re.fullmatch(r"checkpoint-\d+(\.tmp|\.old)?", name):
             target = os.path.join(output_dir, name)
             shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
 
@@ -1336,6 +1367,7 @@ def train(args: Args) -> dict:
     # ---- model: backbone (+ LoRA) and reward head; a resumed run loads the checkpoint's weights over them
     # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
     prm, base_copy = build_prm(args, torch.float32 if args.fsdp else dtype)
+    prm.config["dtype"] = str(dtype).removeprefix("torch.")  # what load_prm scores in by default (FSDP: computes in)
     config = prm.backbone.config
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if context and args.max_length > context:
@@ -1437,9 +1469,9 @@ def train(args: Args) -> dict:
         except (KeyError, ValueError, RuntimeError) as error:  # another format, or another set of parameters
             raise UserError(f"--resume-from {resume_path}: its trainer_state.pt does not fit this run "
                             f"({type(error).__name__}: {str(error).strip().splitlines()[0]})") from None
-        # nothing left to train: the final model and summary stay as they are (without final/, the run was stopped
-        # by a signal in its last step, and goes on to the final evaluation and model)
-        if start_step >= args.total_steps and os.path.isdir(os.path.join(output_dir, "final")):
+        # nothing left to train: the final model and summary stay as they are (without final/ of that step, the run
+        # was stopped by a signal in its last step, or is resumed from an earlier checkpoint: it writes its own)
+        if start_step >= args.total_steps and final_step(output_dir) == start_step:
             print0(f"{resume_path} is at step {start_step}: the run already reached --total-steps {args.total_steps}; "
                    "nothing to do (raise --total-steps or --epochs to train further)", enabled=is_main)
             if distributed:
@@ -1483,8 +1515,8 @@ def train(args: Args) -> dict:
         if resuming_here:  # the branch after the checkpoint is gone: `--resume-from latest` must not pick up its
             # checkpoints, nor a resume after a last-step signal take its final model for this run's
             for later in (step for step in checkpoint_steps(output_dir) if step > start_step):
-                shutil.rmtree(os.path.join(output_dir, f"checkpoint-{later}"))
-            shutil.rmtree(os.path.join(output_dir, "final"), ignore_errors=True)
+                remove_directory(os.path.join(output_dir, f"checkpoint-{later}"))
+            remove_directory(os.path.join(output_dir, "final"))
             if os.path.isfile(os.path.join(output_dir, "summary.json")):
                 os.remove(os.path.join(output_dir, "summary.json"))
     console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "eval_auroc",
@@ -1542,7 +1574,7 @@ def train(args: Args) -> dict:
                 "data_position": {"epoch": step * args.batch_size // len(train_examples),
                                   "row_in_epoch": step * args.batch_size % len(train_examples)}})
             for old_step in checkpoint_steps(output_dir)[:-args.keep_checkpoints]:
-                shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old_step}"))
+                remove_directory(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
 
     # a signal only sets a flag: the current step finishes, then every process stops after the same step
@@ -1646,6 +1678,13 @@ def train(args: Args) -> dict:
                        f"python prm.py <the same flags> --output-dir {output_dir} --resume-from {path}",
                        enabled=is_main)
                 break
+        total_time = time.perf_counter() - run_start
+        if evaluates and not interrupted:
+            # the final model before the final evaluation and scoring, under the handlers above: a stop signal from
+            # the last step on no longer loses the steps since the last checkpoint
+            weights = full_state_dicts(prm)[0] if args.fsdp else None
+            if is_main:
+                save_prm(os.path.join(output_dir, "final"), prm, base_copy, weights, step=start_step + len(step_times))
     except BaseException:  # a stop for too many bad steps, or a crash: metrics.jsonl keeps what was logged
         logger.close()
         raise
@@ -1653,19 +1692,15 @@ def train(args: Args) -> dict:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
-    # ---- final evaluation, model, scores, benchmark summary (an interrupted run leaves only its checkpoint)
-    total_time = time.perf_counter() - run_start
+    # ---- final evaluation, scores, benchmark summary (an interrupted run leaves only its checkpoint)
     if evaluates and not interrupted:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
         print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()),
                enabled=is_main)
-        weights = full_state_dicts(prm)[0] if args.fsdp else None
         scores = score_steps(prm, [r["prompt"] for r in score_rows], [r["completions"] for r in score_rows],
                              args.eval_batch_size) if score_rows else None
-        if is_main:
-            save_prm(os.path.join(output_dir, "final"), prm, base_copy, weights)
-            if scores is not None:
-                write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
+        if is_main and scores is not None:
+            write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     summary = {
         "steps": start_step + len(step_times),

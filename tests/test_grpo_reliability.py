@@ -318,6 +318,75 @@ def test_a_longer_run_stopped_in_its_last_step_still_ends_with_its_own_final_mod
     assert code == 2 and "written before final models kept their trainer state" in err and "--model" in err
 
 
+def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, capsys, monkeypatch):
+    """The final model is written before the final evaluation (on a real model, minutes of generation): a Ctrl-C
+    there (a KeyboardInterrupt once the run's handlers are gone) used to lose every step since the last
+    checkpoint. Resuming the run then finds nothing to do."""
+    real_evaluate, calls = grpo.evaluate, []
+
+    def evaluate_interrupted_at_the_end(*args, **kwargs):  # called at the start and at the end of the run
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "evaluate", evaluate_interrupted_at_the_end)
+    run = tmp_path / "run"
+    flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2"]
+    with pytest.raises(KeyboardInterrupt):
+        run_main(flags, capsys)
+    assert grpo.final_step(str(run)) == 2 and (run / "final" / "trainer_state.pt").is_file()
+    monkeypatch.setattr(grpo, "evaluate", real_evaluate)
+    code, out, _ = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0 and "nothing to do" in out
+
+
+def test_a_resumed_runs_summary_starts_at_step_0(tmp_path, capsys, monkeypatch):
+    """eval_accuracy_start is the accuracy before the run's first step, kept in the trainer state: a resumed run's
+    summary reads as one run (it gave the accuracy at the resume step)."""
+    accuracies = iter([0.125, 0.25, 0.5, 0.75])
+    monkeypatch.setattr(grpo, "evaluate", lambda *args, **kwargs: (next(accuracies), []))
+    run = tmp_path / "run"
+    flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2", "--save-every", "1"]
+    assert run_main(flags, capsys)[0] == 0  # evaluations at steps 0 and 2: 0.125, 0.25
+    assert read_summary(run)["eval_accuracy_start"] == 0.125
+    assert run_main([*flags, "--resume-from", str(run / "checkpoint-1")], capsys)[0] == 0  # at 1 and 2: 0.5, 0.75
+    summary = read_summary(run)
+    assert summary["eval_accuracy_start"] == 0.125 and summary["eval_accuracy_end"] == 0.75
+
+
+def test_resuming_with_another_lora_alpha_or_chat_template_is_refused(tmp_path, capsys):
+    """On resume peft reads alpha from the checkpoint's adapter: another --lora-alpha was ignored, and recorded in
+    args.json as if it applied. Another chat-template setting changes every prompt's tokens."""
+    run = tmp_path / "run"
+    flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2", "--save-every", "1", "--lora-r", "4"]
+    assert run_main(flags, capsys)[0] == 0
+    code, err = run_main([*flags, "--lora-alpha", "8", "--resume-from", "latest"], capsys)
+    assert code == 2 and "--lora-alpha 32 there, 8 here" in err
+    code, err = run_main([*flags, "--no-chat-template", "--resume-from", "latest"], capsys)
+    assert code == 2 and "--chat-template True there, False here" in err
+
+
+def test_removing_a_directory_never_leaves_a_half_one_under_its_name(tmp_path, monkeypatch):
+    """A checkpoint or final/ being dropped or replaced is renamed away before it is deleted: a kill during the
+    deletion leaves nothing under the name, never a directory with some of its files gone that `latest` takes."""
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "trainer_state.pt").write_text("state")
+    (final / "model.safetensors").write_text("weights")
+    under_the_name = []
+    real_rmtree = grpo.shutil.rmtree
+
+    def rmtree_that_looks(path, *args, **kwargs):
+        if os.path.exists(path):  # a deletion that does something: what is under the name meanwhile
+            under_the_name.append(sorted(p.name for p in final.iterdir()) if final.exists() else None)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(grpo.shutil, "rmtree", rmtree_that_looks)
+    grpo.remove_directory(str(final))
+    assert under_the_name == [None] and not final.exists() and not (tmp_path / "final.old").exists()
+
+
 def test_resuming_on_other_training_rows_is_refused(tmp_path, capsys):
     # the built-in task's training rows are the prompts not held out: another --num-eval-prompts changes them
     run = tmp_path / "run"

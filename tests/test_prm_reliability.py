@@ -572,6 +572,69 @@ def test_resuming_an_earlier_checkpoint_drops_the_later_ones(tmp_path, capsys, m
     assert not (out / "final").exists() and not (out / "summary.json").exists()
 
 
+def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, capsys, monkeypatch):
+    """The final model is written before the final evaluation and scoring: a Ctrl-C there (a KeyboardInterrupt once
+    the run's handlers are gone) used to lose every step since the last checkpoint."""
+    real_evaluate, calls = prm.evaluate_prm, []
+
+    def evaluate_interrupted_at_the_end(*args, **kwargs):  # at the start and at the end (--eval-every 0)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(prm, "evaluate_prm", evaluate_interrupted_at_the_end)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2"], capsys)
+    assert prm.final_step(str(out)) == 2 and prm.load_prm(str(out / "final"), device="cpu") is not None
+
+
+def test_resuming_an_earlier_checkpoint_to_its_own_step_writes_that_model(tmp_path, capsys):
+    """A 3-step run resumed from checkpoint-2 with --total-steps 2: its final/ is step 3's, not this run's, so
+    there is something to do (it was taken for "nothing to do", and step 3's model stayed as the final one)."""
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--save-every", "1",
+             "--keep-checkpoints", "3"]
+    assert run_main([*flags, "--total-steps", "3"], capsys)[0] == 0
+    assert prm.final_step(str(out)) == 3
+    code, stdout, err = run_main([*flags, "--total-steps", "2", "--resume-from", str(out / "checkpoint-2")], capsys,
+                                 with_stdout=True)
+    assert code == 0 and "nothing to do" not in stdout, err
+    assert prm.final_step(str(out)) == 2
+    final, checkpoint = (load_file(out / name / "reward_head.safetensors") for name in ("final", "checkpoint-2"))
+    assert all(torch.equal(final[key], checkpoint[key]) for key in final)
+
+
+def test_a_prm_loads_in_the_dtype_it_was_trained_in(tmp_path, capsys):
+    """prm_config.json records the training dtype, which load_prm, the score command and grpo.py's --prm-path use
+    by default: the scores of the end of training (in fp32 on a CPU, a bf16 PRM scored 1e-3 off)."""
+    out = tmp_path / "out"
+    data = small_data(tmp_path)
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", data, "--total-steps", "2", "--dtype",
+                          "bfloat16", "--score-data-path", data], capsys)
+    assert code == 0, err
+    assert json.loads((out / "final" / "prm_config.json").read_text())["dtype"] == "bfloat16"
+    model = prm.load_prm(str(out / "final"), device="cpu")
+    assert {p.dtype for p in model.backbone.parameters()} == {torch.bfloat16}
+    rows = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
+    rescored = prm.score_steps(model, [r["prompt"] for r in rows], [r["completions"] for r in rows], 64)
+    assert rescored == [r["scores"] for r in rows]
+
+
+def test_the_tiny_model_in_bf16_keeps_fp32_rotary_frequencies():
+    """Module.to(bf16) rounds buffers too: the rotary frequencies (0.5625 for 0.56234) that from_pretrained
+    recomputes in fp32 when final/ is loaded, so a reloaded model scored 1e-3 off the trained one."""
+    backbone, _ = prm.load_backbone_and_tokenizer("tiny", torch.bfloat16, False)
+    assert {p.dtype for p in backbone.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in backbone.buffers() if b.is_floating_point()} == {torch.float32}
+    import grpo
+
+    model, _ = grpo.load_model_and_tokenizer("tiny", torch.bfloat16, False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {torch.float32}
+
+
 def test_builtin_training_rows_do_not_depend_on_the_held_out_counts():
     train, val, evaluation = prm.builtin_task(seed=3, num_val=20, num_eval=30, num_train=200)
     other_train, other_val, other_evaluation = prm.builtin_task(seed=3, num_val=20, num_eval=50, num_train=200)
