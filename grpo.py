@@ -32,6 +32,7 @@ Run it:
 
 import contextlib
 import copy
+import datetime
 import functools
 import hashlib
 import json
@@ -1252,7 +1253,9 @@ def train(args: Args) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # the other ranks wait in a collective while rank 0 evaluates or saves alone: PyTorch's default timeout
+        # (10 minutes with NCCL) would end a run whose evaluation or checkpoint takes longer
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
     is_main = rank == 0
     args.local_prompts = args.prompts_per_step // args.world_size
     local_batch = args.local_prompts * args.group_size
@@ -1512,7 +1515,7 @@ def train(args: Args) -> dict:
         eval_accuracy_start = saved_eval_start
     timings = {"generation": [], "reference": [], "reward": [], "update": []}  # seconds, per step
     step_times, step_model_flops, memory_samples = [], [], []
-    generated_tokens, trained_tokens = [], []  # per step, this process's
+    generated_tokens, trained_tokens = [], []  # per step, over all processes
     run_start = time.perf_counter()
     interrupted = False
 
@@ -1674,7 +1677,7 @@ def train(args: Args) -> dict:
                 else:  # a non-finite loss or gradient would poison the weights: skip this update
                     skipped_updates += 1
                     bad_steps_in_a_row += 1
-                    print0(f"warning: non-finite loss or gradient at step {step}; update skipped", file=sys.stderr,
+                    print0(f"warning: non-finite loss or gradient at step {step + 1}; update skipped", file=sys.stderr,
                            enabled=is_main)
                     if bad_steps_in_a_row >= args.max_bad_steps:
                         raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
@@ -1702,8 +1705,6 @@ def train(args: Args) -> dict:
                 update_prompt_tokens=every_row if args.gradient_checkpointing else shared,
                 completion_tokens=n_generated, reference=args.kl_coef != 0.0, iterations=args.num_iterations,
                 full_finetune=args.lora_r == 0))
-            generated_tokens.append(n_generated)
-            trained_tokens.append(int(loss_mask.sum()) * args.num_iterations)
             # every figure is a sum over the batch, so that summing over processes gives the whole batch's: token-
             # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
             # completions, and the sum of squares for the std; log-prob gaps
@@ -1717,7 +1718,8 @@ def train(args: Args) -> dict:
                          "reward_errors": float(failed.sum()), "logp_gap/sum": gap.sum().item(),
                          "logp_gap/count": float(n_generated), "completion_length/sum": float(n_generated),
                          "truncated/sum": float(truncated.sum()), "zero_std_groups/sum": zero_std_groups * len(rows),
-                         "completions": float(local_batch), "groups": float(len(rows))})
+                         "completions": float(local_batch), "groups": float(len(rows)),
+                         "trained_tokens": float(loss_mask.sum()) * args.num_iterations})
             gap_max = gap.max().reshape(1)
             if distributed:
                 keys = sorted(sums)
@@ -1725,6 +1727,8 @@ def train(args: Args) -> dict:
                 dist.all_reduce(values)
                 dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
                 sums = dict(zip(keys, values.tolist()))
+            generated_tokens.append(sums["completion_length/sum"])  # every process's (completion lengths differ)
+            trained_tokens.append(sums["trained_tokens"])
 
             def ratio(numerator: str, denominator: str) -> float:
                 return sums[numerator] / sums[denominator] if sums[denominator] else float("nan")
@@ -1760,7 +1764,8 @@ def train(args: Args) -> dict:
                 path = checkpoint(step + 1)
             if interrupted:
                 print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
-                       f"python grpo.py <the same flags> --output-dir {output_dir} --resume-from {path}",
+                       f"{'torchrun <its flags> ' if distributed else 'python '}grpo.py <the same flags> --output-dir "
+                       f"{output_dir} --resume-from {path}",
                        enabled=is_main)
                 break
         total_time = time.perf_counter() - run_start
@@ -1787,9 +1792,8 @@ def train(args: Args) -> dict:
         "reward_time_s": sum(timings["reward"]),
         "update_time_s": sum(timings["update"]),
         # over the timed steps, as the step time (on a GPU the first step also loads kernels and allocates memory)
-        "generated_tokens_per_s": (sum(generated_tokens[timed]) * args.world_size
-                                   / max(sum(timings["generation"][timed]), 1e-9)),
-        "trained_tokens_per_s": sum(trained_tokens[timed]) * args.world_size / max(sum(timings["update"][timed]), 1e-9),
+        "generated_tokens_per_s": sum(generated_tokens[timed]) / max(sum(timings["generation"][timed]), 1e-9),
+        "trained_tokens_per_s": sum(trained_tokens[timed]) / max(sum(timings["update"][timed]), 1e-9),
         "peak_memory_mb": peak_memory_mb(device),
         "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
         "eval_accuracy_start": eval_accuracy_start,

@@ -39,6 +39,7 @@ From Python: `prm = load_prm("runs/qwen-prm/final"); score_steps(prm, prompts, s
 """
 
 import copy
+import datetime
 import functools
 import hashlib
 import io
@@ -1284,6 +1285,8 @@ def score_file(args: Args) -> dict:
     if args.score_data_path is None or args.scores_output is None:
         raise UserError("--prm-path scores a file: give --score-data-path rows.jsonl and --scores-output out.jsonl")
     check_scores_output(args.scores_output)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every process would score every row into the same file
+        raise UserError("--prm-path scores in one process: run it with python prm.py, not torchrun")
     device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     start = time.perf_counter()
@@ -1316,7 +1319,9 @@ def train(args: Args) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # the other ranks wait in a collective while rank 0 evaluates or saves alone: PyTorch's default timeout
+        # (10 minutes with NCCL) would end a run whose evaluation or checkpoint takes longer
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
     is_main = rank == 0
     evaluates = is_main or args.fsdp  # under FSDP every forward is a collective: all ranks evaluate (the same rows)
     args.local_batch = args.batch_size // args.world_size
@@ -1464,7 +1469,9 @@ def train(args: Args) -> dict:
                 m.data.copy_(saved)
             start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
             states = state["rng"]
-            set_rng_state(states[rank] if rank < len(states) else states[0])  # a new process count: rank 0's
+            set_rng_state(states[rank] if rank < len(states) else states[0])
+            if len(states) != args.world_size and distributed:  # another process count: each its own stream again
+                torch.manual_seed(int(np.random.SeedSequence([args.seed, start_step, rank]).generate_state(1)[0]))
             saved_eval = state["eval_start"], state["eval_last"]
         except (KeyError, ValueError, RuntimeError) as error:  # another format, or another set of parameters
             raise UserError(f"--resume-from {resume_path}: its trainer_state.pt does not fit this run "
@@ -1675,7 +1682,8 @@ def train(args: Args) -> dict:
                 path = checkpoint(step + 1)
             if interrupted:
                 print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
-                       f"python prm.py <the same flags> --output-dir {output_dir} --resume-from {path}",
+                       f"{'torchrun <its flags> ' if distributed else 'python '}prm.py <the same flags> --output-dir "
+                       f"{output_dir} --resume-from {path}",
                        enabled=is_main)
                 break
         total_time = time.perf_counter() - run_start

@@ -102,6 +102,11 @@ def test_fsdp_equals_one_process_and_resumes_exactly(script, flags, tmp_path):
                for n, w in weights(plain / "checkpoint-2").items()) > 1e-4
     # a sharded checkpoint holds whole weights, loadable without FSDP, equal to the plain run's
     assert_close_weights(weights(sharded / "checkpoint-2"), weights(plain / "checkpoint-2"))
+    if script == "grpo":  # tokens/s count every process's tokens (completion lengths differ between processes)
+        rows = [json.loads(line) for line in (sharded / "metrics.jsonl").read_text().splitlines()][1:]  # timed
+        summary = json.loads((sharded / "summary.json").read_text())
+        assert summary["generated_tokens_per_s"] == pytest.approx(
+            sum(row["completion_length"] * 32 for row in rows) / sum(row["generation_time_s"] for row in rows))
 
     # resume the sharded run from step 2: step 3 and the final weights repeat exactly
     uninterrupted, final = metrics(sharded), weights(sharded / "final")

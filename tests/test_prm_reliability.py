@@ -184,6 +184,14 @@ def test_a_lora_prm_whose_base_model_moved_is_named(tmp_path):
         prm.load_prm(str(saved), device="cpu")
 
 
+def test_scoring_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
+    # every process would score every row and write the same file: one of them crashed renaming it
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", rows_file(tmp_path, '{"prompt": "p", '
+                          '"completions": ["a"]}'), "--scores-output", str(tmp_path / "scores.jsonl")], capsys)
+    assert code == 2 and "scores in one process: run it with python prm.py, not torchrun" in err
+
+
 def test_scoring_mode_bad_inputs(tmp_path, capsys):
     data = rows_file(tmp_path, '{"prompt": "p", "completions": ["a"]}')
     scores = tmp_path / "scores.jsonl"
