@@ -1431,7 +1431,8 @@ def train(args: Args) -> dict:
             raise UserError(f"--resume-from {resume_path} is at step {start_step}, past --total-steps "
                             f"{args.total_steps}: raise --total-steps, or resume from an earlier checkpoint")
         # (a final model of an earlier step stays until this run, stopped in its last step, writes its own)
-        if start_step == args.total_steps and final_step(output_dir) == start_step:
+        finished = os.path.isfile(os.path.join(output_dir, "summary.json"))  # (killed in the final evaluation: not)
+        if start_step == args.total_steps and final_step(output_dir) == start_step and finished:
             print0(f"{resume_path} is at step {start_step}: the run already reached --total-steps "
                    f"{args.total_steps}; nothing to do (raise --total-steps to train further)", enabled=is_main)
             if distributed:

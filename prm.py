@@ -1478,7 +1478,8 @@ def train(args: Args) -> dict:
                             f"({type(error).__name__}: {str(error).strip().splitlines()[0]})") from None
         # nothing left to train: the final model and summary stay as they are (without final/ of that step, the run
         # was stopped by a signal in its last step, or is resumed from an earlier checkpoint: it writes its own)
-        if start_step >= args.total_steps and final_step(output_dir) == start_step:
+        finished = os.path.isfile(os.path.join(output_dir, "summary.json"))  # (killed in the final evaluation: not)
+        if start_step >= args.total_steps and final_step(output_dir) == start_step and finished:
             print0(f"{resume_path} is at step {start_step}: the run already reached --total-steps {args.total_steps}; "
                    "nothing to do (raise --total-steps or --epochs to train further)", enabled=is_main)
             if distributed:

@@ -321,7 +321,7 @@ def test_a_longer_run_stopped_in_its_last_step_still_ends_with_its_own_final_mod
 def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, capsys, monkeypatch):
     """The final model is written before the final evaluation (on a real model, minutes of generation): a Ctrl-C
     there (a KeyboardInterrupt once the run's handlers are gone) used to lose every step since the last
-    checkpoint. Resuming the run then finds nothing to do."""
+    checkpoint. Resuming the run, which has no summary yet, runs the final evaluation and writes it."""
     real_evaluate, calls = grpo.evaluate, []
 
     def evaluate_interrupted_at_the_end(*args, **kwargs):  # called at the start and at the end of the run
@@ -336,9 +336,13 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
     with pytest.raises(KeyboardInterrupt):
         run_main(flags, capsys)
     assert grpo.final_step(str(run)) == 2 and (run / "final" / "trainer_state.pt").is_file()
+    assert not (run / "summary.json").exists()
     monkeypatch.setattr(grpo, "evaluate", real_evaluate)
     code, out, _ = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
-    assert code == 0 and "nothing to do" in out
+    assert code == 0 and "nothing to do" not in out and "eval accuracy at step 2" in out
+    assert read_summary(run)["steps"] == 2 and [row["step"] for row in read_metrics(run)] == [1, 2]
+    code, out, _ = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0 and "nothing to do" in out  # now it is finished
 
 
 def test_a_resumed_runs_summary_starts_at_step_0(tmp_path, capsys, monkeypatch):

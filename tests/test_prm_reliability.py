@@ -593,9 +593,17 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
 
     monkeypatch.setattr(prm, "evaluate_prm", evaluate_interrupted_at_the_end)
     out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
+             "--save-every", "2"]
     with pytest.raises(KeyboardInterrupt):
-        run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2"], capsys)
+        run_main(flags, capsys)
     assert prm.final_step(str(out)) == 2 and prm.load_prm(str(out / "final"), device="cpu") is not None
+    assert not (out / "summary.json").exists()
+    # resumed, the run is not taken for finished: it has no summary yet, which the final evaluation writes
+    monkeypatch.setattr(prm, "evaluate_prm", real_evaluate)
+    code, stdout, err = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0 and "nothing to do" not in stdout, err
+    assert read_summary(out)["steps"] == 2 and prm.final_step(str(out)) == 2
 
 
 def test_resuming_an_earlier_checkpoint_to_its_own_step_writes_that_model(tmp_path, capsys):
