@@ -1779,7 +1779,17 @@ def train(args: Args) -> dict:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
-    # ---- final evaluation, benchmark summary
+    # ---- final evaluation, benchmark summary; skipped after a stop signal during the final save (a resume runs them)
+    stopped = torch.tensor([float(len(stop_signal))], device=device)
+    if distributed:  # every process takes the same way (under FSDP every one evaluates)
+        dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
+    if not interrupted and stopped.item() > 0:
+        print0(f"stopped by a signal after saving the final model; for the final evaluation and summary: python "
+               f"grpo.py <the same flags> --output-dir {output_dir} --resume-from latest", enabled=is_main)
+        logger.close()
+        if distributed:
+            dist.destroy_process_group()
+        return {"steps": start_step + len(step_times), "interrupted": True}
     if not interrupted:
         eval_accuracy = run_eval(start_step + len(step_times))
     steps_done = len(step_times)

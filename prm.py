@@ -1701,7 +1701,19 @@ def train(args: Args) -> dict:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
-    # ---- final evaluation, scores, benchmark summary (an interrupted run leaves only its checkpoint)
+    # ---- final evaluation, scores, benchmark summary (an interrupted run leaves only its checkpoint); skipped after
+    # a stop signal during the final save (a resume runs them)
+    stopped = torch.tensor([float(len(stop_signal))], device=device)
+    if distributed:  # every process takes the same way (under FSDP every one evaluates)
+        dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
+    if not interrupted and stopped.item() > 0:  # (a final PRM holds no trainer state: a checkpoint beside it does)
+        path = checkpoint(start_step + len(step_times))
+        print0(f"stopped by a signal after saving the final model; for the final evaluation, scores and summary: "
+               f"python prm.py <the same flags> --output-dir {output_dir} --resume-from {path}", enabled=is_main)
+        logger.close()
+        if distributed:
+            dist.destroy_process_group()
+        return {"steps": start_step + len(step_times), "interrupted": True}
     if evaluates and not interrupted:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
         print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()),

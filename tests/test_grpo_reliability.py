@@ -345,6 +345,27 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
     assert code == 0 and "nothing to do" in out  # now it is finished
 
 
+def test_a_stop_signal_during_the_final_save_skips_the_final_evaluation(tmp_path, capsys, monkeypatch):
+    """A SIGTERM while the final model is being written is not dropped: the (long) final evaluation is skipped,
+    and a resume runs it and writes the summary."""
+    real_save = grpo.save_checkpoint
+
+    def save_receiving_sigterm(path, *args, **kwargs):
+        if path.endswith("final"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's handler only notes it
+        return real_save(path, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "save_checkpoint", save_receiving_sigterm)
+    run = tmp_path / "run"
+    flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2"]
+    code, out, _ = run_main(flags, capsys, with_stdout=True)
+    assert code == 0 and "stopped by a signal after saving the final model" in out
+    assert "eval accuracy at step 2" not in out and not (run / "summary.json").exists() and grpo.final_step(str(run)) == 2
+    monkeypatch.setattr(grpo, "save_checkpoint", real_save)
+    code, out, _ = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0 and "eval accuracy at step 2" in out and read_summary(run)["steps"] == 2
+
+
 def test_a_resumed_runs_summary_starts_at_step_0(tmp_path, capsys, monkeypatch):
     """eval_accuracy_start is the accuracy before the run's first step, kept in the trainer state: a resumed run's
     summary reads as one run (it gave the accuracy at the resume step)."""

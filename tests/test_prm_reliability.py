@@ -606,6 +606,31 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
     assert read_summary(out)["steps"] == 2 and prm.final_step(str(out)) == 2
 
 
+def test_a_stop_signal_during_the_final_save_checkpoints_and_skips_the_final_evaluation(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A SIGTERM while the final PRM is being written is not dropped: a checkpoint is written beside it (a final
+    PRM holds no trainer state), the final evaluation and scoring are skipped, and a resume runs them."""
+    import signal as signals
+
+    real_save = prm.save_prm
+
+    def save_receiving_sigterm(path, *args, **kwargs):
+        if path.endswith("final"):
+            os.kill(os.getpid(), signals.SIGTERM)  # the run's handler only notes it
+        return real_save(path, *args, **kwargs)
+
+    monkeypatch.setattr(prm, "save_prm", save_receiving_sigterm)
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2"]
+    code, stdout, err = run_main(flags, capsys, with_stdout=True)
+    assert code == 0 and "stopped by a signal after saving the final model" in stdout, err
+    assert "eval at step 2" not in stdout and not (out / "summary.json").exists()
+    assert prm.final_step(str(out)) == 2 and prm.checkpoint_steps(str(out)) == [2]
+    monkeypatch.setattr(prm, "save_prm", real_save)
+    code, stdout, err = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0 and "eval at step 2" in stdout and read_summary(out)["steps"] == 2, err
+
+
 def test_resuming_an_earlier_checkpoint_to_its_own_step_writes_that_model(tmp_path, capsys):
     """A 3-step run resumed from checkpoint-2 with --total-steps 2: its final/ is step 3's, not this run's, so
     there is something to do (it was taken for "nothing to do", and step 3's model stayed as the final one)."""
