@@ -260,7 +260,8 @@ def first_error_f1(step_scores: list, step_labels: list, threshold: float) -> tu
     is the first step with score < threshold. A solution may have fewer scores than labels (steps truncated away
     unscored): a first error among the unscored steps is still its first error, which no prediction can hit, so
     the solution counts as an erroneous one missed (not as a correct one). acc_err = exact-match rate on erroneous
-    solutions, acc_corr = the rate of predicting -1 on correct ones, F1 = 2 acc_err acc_corr / (acc_err + acc_corr) (0 when both are 0).
+    solutions, acc_corr = the rate of predicting -1 on correct ones, F1 = 2 acc_err acc_corr / (acc_err + acc_corr)
+    (0 when both are 0).
     Returns (f1, acc_err, acc_corr); an accuracy over no solutions, and then F1, is NaN.
     """
     hits = {True: [], False: []}  # keyed by "the solution has an error"
@@ -814,13 +815,6 @@ def remove_directory(path: str) -> None:
         shutil.rmtree(path + ".old")
 
 
-def replace_directory(new: str, path: str) -> None:
-    """new renamed to path, an older path renamed away first: a kill at any moment leaves a complete directory at
-    path, or none and the complete new one beside it."""
-    remove_directory(path)
-    os.replace(new, path)
-
-
 def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None,
              args: Optional[Args] = None, trainer_state: Optional[dict] = None, step: Optional[int] = None) -> None:
     """final/: the backbone (full fine-tuning) or the LoRA adapter, reward_head.safetensors, the tokenizer and
@@ -855,7 +849,8 @@ def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Op
         with open(os.path.join(temporary, "args.json"), "w") as f:
             json.dump({"script": "prm.py", **asdict(args)}, f, indent=2)
         torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
-    replace_directory(temporary, path)
+    remove_directory(path)  # a kill from here on leaves the complete new one beside the name, or under it
+    os.replace(temporary, path)
 
 
 def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False) -> ProcessRewardModel:
@@ -872,9 +867,9 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:  # the dtype it was trained in, which gives the scores of the end of training; bf16 only on
         # a GPU that has it natively (older PRMs, and bf16 ones elsewhere: auto_dtype)
-        trained_in = getattr(torch, config.get("dtype") or "none", None)
+        trained_in = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(config.get("dtype"))
         usable = trained_in == torch.float32 or device.type == "cpu" or auto_dtype(device) == trained_in
-        dtype = trained_in if isinstance(trained_in, torch.dtype) and usable else auto_dtype(device)
+        dtype = trained_in if trained_in is not None and usable else auto_dtype(device)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if config["lora"]:
         from peft import PeftModel
@@ -1434,6 +1429,7 @@ def train(args: Args) -> dict:
     # bf16 weights round away updates smaller than ~1/256 of the weight; the optimiser steps fp32 master
     # copies and writes them back (LoRA adapters and the head are already fp32)
     master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in trainable]
+    mastered = [(p, m) for p, m in zip(trainable, master) if m is not p]  # (bf16 weight, its fp32 copy)
     # fused: one kernel for every parameter (4-5x faster than the per-tensor loop torch picks on CPU)
     optimizer = torch.optim.AdamW(master, lr=args.learning_rate, betas=args.adam_betas,
                                   weight_decay=args.weight_decay, eps=1e-8, fused=True)
@@ -1464,8 +1460,7 @@ def train(args: Args) -> dict:
             elif not args.fsdp:
                 optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
-            separate = [m for p, m in zip(trainable, master) if m is not p]
-            for m, saved in zip(separate, state["master"], strict=True):  # the fp32 masters, not rounded weights
+            for (_, m), saved in zip(mastered, state["master"], strict=True):  # the fp32 masters, not rounded weights
                 m.data.copy_(saved)
             start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
             states = state["rng"]
@@ -1485,9 +1480,8 @@ def train(args: Args) -> dict:
             if distributed:
                 dist.destroy_process_group()
             return {"steps": start_step, "resumed_from_step": start_step}
-        for p, m in zip(trainable, master):
-            if m is not p:
-                p.data.copy_(m.data)
+        for p, m in mastered:
+            p.data.copy_(m.data)
         # the flags win over the optimiser settings the checkpoint restored (args.json of the next checkpoint records
         # the flags); the current rate is recomputed as LambdaLR computes it, so an unchanged flag changes no bit
         restored = optimizer.param_groups[0]
@@ -1574,7 +1568,7 @@ def train(args: Args) -> dict:
         if is_main:
             save_prm(path, prm, base_copy, weights, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
-                "master": [m.detach().cpu() for p, m in zip(trainable, master) if m is not p],
+                "master": [m.detach().cpu() for _, m in mastered],
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_states,
                 "eval_start": eval_start, "eval_last": eval_metrics, "data_fingerprint": fingerprint,
                 "dtype": str(dtype).removeprefix("torch."),  # checked on resume: the masters exist only for bf16
@@ -1613,6 +1607,11 @@ def train(args: Args) -> dict:
                 loss, stats = prm_loss(step_logits, inputs["labels"], inputs["mask"], args.loss_kind,
                                        total_steps=total_labelled)
                 loss.backward()
+                if not args.fsdp:  # bf16 weights: each micro-batch's gradient is added in fp32, not in bf16
+                    for p, m in mastered:
+                        if p.grad is not None:
+                            m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                            p.grad = None
                 tokens += inputs["tokens"]
                 sums += torch.stack([loss.detach(), stats["accuracy"] * stats["steps"],
                                      stats["score_mean"] * stats["steps"], stats["steps"]]).double()
@@ -1627,13 +1626,13 @@ def train(args: Args) -> dict:
             # reduce-scatter), clipped, applied to the fp32 masters; a non-finite loss or gradient skips the update
             # (all ranks agree: both are global)
             if not args.fsdp:
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+                grads = [m.grad if m.grad is not None else torch.zeros_like(m) for m in master]
                 if distributed:
                     flat = torch.cat([g.reshape(-1).float() for g in grads])
                     dist.all_reduce(flat)
                     grads = list(torch.split(flat, [g.numel() for g in grads]))
-                for p, m, g in zip(trainable, master, grads):
-                    m.grad = g.view_as(p).float() if m is not p else g.view_as(p).to(p.dtype)
+                for m, g in zip(master, grads):
+                    m.grad = g.view_as(m).to(m.dtype)
             grad_norm = torch.nn.utils.clip_grad_norm_(master, args.max_grad_norm if args.max_grad_norm > 0
                                                        else float("inf"))
             if hasattr(grad_norm, "full_tensor"):  # FSDP: a norm over shards, reduced over processes here
@@ -1641,9 +1640,8 @@ def train(args: Args) -> dict:
             if math.isfinite(loss_sum) and torch.isfinite(grad_norm):
                 optimizer.step()
                 bad_steps_in_a_row = 0
-                for p, m in zip(trainable, master):
-                    if m is not p:
-                        p.data.copy_(m.data)
+                for p, m in mastered:
+                    p.data.copy_(m.data)
             else:  # a non-finite loss or gradient would poison the weights: skip this update
                 skipped_updates += 1
                 bad_steps_in_a_row += 1
@@ -1709,7 +1707,8 @@ def train(args: Args) -> dict:
     if not interrupted and stopped.item() > 0:  # (a final PRM holds no trainer state: a checkpoint beside it does)
         path = checkpoint(start_step + len(step_times))
         print0(f"stopped by a signal after saving the final model; for the final evaluation, scores and summary: "
-               f"python prm.py <the same flags> --output-dir {output_dir} --resume-from {path}", enabled=is_main)
+               f"{'torchrun <its flags> ' if distributed else 'python '}prm.py <the same flags> --output-dir "
+               f"{output_dir} --resume-from {path}", enabled=is_main)
         logger.close()
         if distributed:
             dist.destroy_process_group()

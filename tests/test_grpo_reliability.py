@@ -1,7 +1,6 @@
 """grpo.py under stress: bad input, interruption and exact resume, two processes."""
 
 import json
-import math
 import os
 import signal
 import subprocess

@@ -204,6 +204,37 @@ def test_max_grad_norm_bounds_the_gradient_the_optimiser_applies(lora, tmp_path,
     assert results["1e-3"][1][0] == pytest.approx(results["1e6"][1][0], rel=1e-6)
 
 
+def test_bf16_micro_batch_gradients_are_added_in_fp32(tmp_path, capsys, monkeypatch, no_matmul_probe):
+    """bf16 weights, 4 micro-batches of 2 rows: each micro-batch's (bf16) gradient, captured by a hook, summed in
+    fp64, is what the optimiser gets, to fp32 rounding (added in bf16 p.grad, they were a bf16 rounding or more
+    off)."""
+    captured, trainable, checked = {}, [], []
+
+    def hooking_build_prm(*args, **kwargs):
+        model, base = REAL_BUILD_PRM(*args, **kwargs)
+        trainable.extend(p for p in model.parameters() if p.requires_grad)  # in the order of the optimiser's copies
+        for p in trainable:
+            p.register_hook(lambda g, p=p: captured.__setitem__(id(p), captured.get(id(p), 0) + g.double()))
+        return model, base
+
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def checking_clip(master, *args, **kwargs):
+        pairs = [(p, m) for p, m in zip(trainable, master, strict=True) if p.dtype == torch.bfloat16]
+        difference = sum(float((m.grad.double() - captured[id(p)]).square().sum()) for p, m in pairs)
+        exact = sum(float(captured[id(p)].square().sum()) for p, _ in pairs)
+        checked.append((difference / exact) ** 0.5)
+        captured.clear()
+        return real_clip(master, *args, **kwargs)
+
+    monkeypatch.setattr(prm, "build_prm", hooking_build_prm)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", checking_clip)
+    train_ok(["--output-dir", str(tmp_path / "run"), *FEW, "--data-path", data_file(tmp_path, 24), "--num-val-rows",
+              "0", "--batch-size", "8", "--micro-batch-size", "2", "--total-steps", "2", "--dtype", "bfloat16"],
+             capsys)
+    assert len(checked) == 2 and all(error < 1e-6 for error in checked), checked
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # import, wandb, train()
 
