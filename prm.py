@@ -274,22 +274,44 @@ def first_error_f1(step_scores: list, step_labels: list, threshold: float) -> tu
     return (f1 if math.isfinite(acc_err + acc_corr) else float("nan")), acc_err, acc_corr
 
 
-def choose_threshold(step_scores: list, step_labels: list, max_candidates: int = 256) -> float:
-    """The threshold with the best first-error F1 on these (validation) solutions. Candidates are the midpoints
-    between neighbouring distinct scores (at most max_candidates of them, spread over the quantiles) plus one
-    below and one above every score; 0.5 when no candidate gives a finite F1."""
-    values = np.unique(np.concatenate([np.asarray(s, dtype=float) for s in step_scores] + [np.zeros(0)]))
-    if len(values) == 0:
+def choose_threshold(step_scores: list, step_labels: list) -> float:
+    """The threshold with the best first-error F1 on these (validation) solutions, found exactly: F1 changes only
+    where the threshold crosses a score, so the candidates are one below every score, the midpoints between
+    neighbouring distinct scores and one above every score (ties go to the lowest). One sweep upwards instead of
+    one first_error_f1 per candidate: a solution's predicted first error (its first step scoring below t) moves
+    only when t passes one of its running minima, from -1 to the lowest score's step, then to earlier record lows
+    and finally to step 0, so those records are the only events. 0.5 when there are no scores, a score is not
+    finite, or the solutions are not both erroneous and correct ones (F1 is then NaN at every threshold)."""
+    flat = np.asarray([s for scores in step_scores for s in scores], dtype=float)
+    truths = [first_below(labels, 0.5) for labels in step_labels]
+    num_err = sum(truth >= 0 for truth in truths)
+    num_corr = len(truths) - num_err
+    if len(flat) == 0 or not np.isfinite(flat).all() or num_err == 0 or num_corr == 0:
         return 0.5
-    if len(values) > max_candidates:
-        values = np.unique(np.quantile(values, np.linspace(0.0, 1.0, max_candidates)))
+    event_values, err_changes, corr_changes = [], [], []
+    for scores, truth in zip(step_scores, truths, strict=True):
+        records = []  # (step, score) of each new running minimum, lowest last
+        for k, score in enumerate(scores):
+            if not records or score < records[-1][1]:
+                records.append((k, score))
+        predicted = -1  # below every score of the solution, no step is predicted
+        for k, score in reversed(records):  # t rising past `score` makes step k the first one below t
+            change = int(k == truth) - int(predicted == truth)
+            event_values.append(score)
+            err_changes.append(change if truth >= 0 else 0)
+            corr_changes.append(change if truth < 0 else 0)
+            predicted = k
+    values = np.unique(flat)  # [V] distinct scores, ascending
+    group = np.searchsorted(values, event_values)  # each event's index among the distinct scores
+    err_hits = np.cumsum(np.bincount(group, weights=err_changes, minlength=len(values)))  # [V] hits for t just above
+    corr_hits = num_corr + np.cumsum(np.bincount(group, weights=corr_changes, minlength=len(values)))
+    # [V + 1]: t below every score, then t between each distinct score and the next (or above the last)
+    acc_err = np.concatenate([[0.0], err_hits / num_err])
+    acc_corr = np.concatenate([[1.0], corr_hits / num_corr])
+    total = acc_err + acc_corr
+    f1 = np.divide(2 * acc_err * acc_corr, total, out=np.zeros_like(total), where=total > 0)
     candidates = np.concatenate([[values[0] - 1.0], (values[1:] + values[:-1]) / 2, [values[-1] + 1.0]])
-    best, best_f1 = 0.5, -1.0
-    for threshold in candidates:
-        f1 = first_error_f1(step_scores, step_labels, float(threshold))[0]
-        if math.isfinite(f1) and f1 > best_f1:
-            best, best_f1 = float(threshold), f1
-    return best
+    return float(candidates[int(np.argmax(f1))])
 
 
 def position_baseline(train_labels: list, lengths: list[int]) -> list[list[float]]:

@@ -326,6 +326,14 @@ def test_non_finite_scores_make_every_metric_nan():
     assert prm.evaluate([[0.9, 0.1], [0.2]], [[1, 0], [0]], 0.5)["eval_auroc"] == 1.0
 
 
+def best_threshold_by_brute_force(scores, labels):
+    """Naive reference: first_error_f1 at every candidate (below all, each midpoint, above all), lowest on ties."""
+    values = np.unique([s for row in scores for s in row])
+    candidates = np.concatenate([[values[0] - 1.0], (values[1:] + values[:-1]) / 2, [values[-1] + 1.0]])
+    f1s = [prm.first_error_f1(scores, labels, float(t))[0] for t in candidates]
+    return float(candidates[int(np.argmax(f1s))])
+
+
 def test_choose_threshold_finds_the_best_f1():
     rng = np.random.default_rng(1)
     lengths, first_errors = rng.integers(1, 6, 80), rng.integers(0, 6, 80)
@@ -336,6 +344,32 @@ def test_choose_threshold_finds_the_best_f1():
     assert prm.first_error_f1(scores, labels, chosen)[0] == pytest.approx(grid_best)
     scores, labels = [[0.9, 0.2], [0.8, 0.9]], [[1, 0], [1, 1]]  # separable: a threshold in (0.2, 0.8) is perfect
     assert 0.2 < prm.choose_threshold(scores, labels) < 0.8
+
+
+def test_choose_threshold_is_exact_against_brute_force():
+    """The one-sweep search picks the same threshold as trying every candidate: many distinct scores (the search
+    once sampled 256 of them), tied scores, soft labels, scores truncated short of the labels, empty solutions."""
+    rng = np.random.default_rng(0)
+    for trial in range(150):
+        scores, labels = [], []
+        for _ in range(int(rng.integers(2, 60))):
+            num_steps = int(rng.integers(0, 7))
+            row = [float(y) for y in rng.random(num_steps) < 0.7] if rng.random() < 0.7 else [1.0] * num_steps
+            if rng.random() < 0.2:
+                row = [float(rng.choice([0.0, 0.25, 0.5, 0.75, 1.0])) for _ in range(num_steps)]
+            row_scores = rng.random(num_steps).round(1 if trial % 2 else 6)  # ties on odd trials
+            kept = num_steps if rng.random() < 0.7 else int(rng.integers(0, num_steps + 1))
+            scores.append([float(s) for s in row_scores[:kept]])
+            labels.append(row)
+        has_error = [min(row, default=1.0) < 0.5 for row in labels]
+        if not any(s for s in scores) or all(has_error) or not any(has_error):
+            assert prm.choose_threshold(scores, labels) == 0.5  # F1 is NaN (or no score) at every threshold
+            continue
+        assert prm.choose_threshold(scores, labels) == best_threshold_by_brute_force(scores, labels)
+    many_scores = [list(rng.random(8)) for _ in range(300)]  # 2400 distinct scores
+    many_labels = [[1.0] * int(k) + [0.0] * (8 - int(k)) for k in rng.integers(0, 9, 300)]
+    assert prm.choose_threshold(many_scores, many_labels) == best_threshold_by_brute_force(many_scores, many_labels)
+    assert prm.choose_threshold([[0.3, float("nan")], [0.9]], [[1, 0], [1]]) == 0.5
 
 
 def test_aggregate_scores_and_position_baseline():
