@@ -143,7 +143,8 @@ class Args:
     """weight of the KL penalty to the reference policy; 0 = no reference model at all (on the built-in task the
     pull towards the near-uniform initial policy keeps sampling diverse enough to escape wrong answers)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """per-token KL estimator (k3 = exp(ref-logp) - (ref-logp) - 1, unbiased and always >= 0)"""
+    """per-token KL estimator (k3 = exp(ref-logp) - (ref-logp) - 1, unbiased and always >= 0; its gradient is that
+    of the forward KL(ref || pi), k2's that of KL(pi || ref), as TRL's use_bias_correction_kl: see kl_penalty)"""
     clip_eps_low: float = 0.2
     """PPO clip: the ratio is clipped below at 1 - clip_eps_low"""
     clip_eps_high: float = 0.2
@@ -248,6 +249,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
 
     With x = ref_logp - logp: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - x - 1 (unbiased and >= 0).
+    As a loss term its gradient matters more than its value. Over samples of pi, k3's gradient (1 - e^x) grad logp
+    averages to the gradient of the forward KL(pi_ref || pi), k2's (-x grad logp) to that of KL(pi || pi_ref)
+    (https://arxiv.org/abs/2505.17508). k3 is the GRPO paper's choice and TRL's and verl's default; TRL 1.16's
+    use_bias_correction_kl (on by default) multiplies it by the ratio pi / pi_old, which on-policy has k2's gradient.
     """
     log_ratio = ref_logp - logp
     if estimator == "k1":

@@ -30,7 +30,9 @@ Settings (the harness README, "Comparing with your own script"):
         --max-prompt-length 80 both sides. grpo.py encodes each prompt once per micro-batch in the reference
         and training passes (--share-prompts auto); TRL encodes it in every row.
   Differences that do not change the work per step: the learning-rate schedule (TRL linear decay, ours
-  constant), Adam beta2 (0.999 vs 0.99), and the sampled batches (each side's own seeded order).
+  constant), Adam beta2 (0.999 vs 0.99), the sampled batches (each side's own seeded order) and the KL term's
+  gradient (TRL 1.16 weights k3 by the ratio by default, use_bias_correction_kl, which the harness leaves on: one
+  multiply per token).
 
 FLOP floor (GRPO rows): fp32 matmul throughput R is measured in the same run, right before each of our GRPO runs
 (torch.matmul of two --matmul-size square fp32 matrices, repeated for --matmul-seconds on torch's default threads,

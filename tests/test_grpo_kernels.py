@@ -372,6 +372,34 @@ def test_k3_nonnegative_and_precise_near_zero():
         assert abs(value - xi * xi / 2) < 1e-14 + 1e-3 * xi * xi / 2
 
 
+def test_kl_estimator_gradients_in_expectation():
+    """Averaged over tokens sampled from pi (here: summed over a 7-token vocabulary, weighted by pi), k3 and k2 both
+    have KL(pi || ref)'s value or gradient, not both: k3's value is KL(pi || ref) (unbiased) but its gradient as a
+    loss term is that of the forward KL(ref || pi); k2's gradient is that of KL(pi || ref). TRL's
+    use_bias_correction_kl (its default in 1.16) weights k3 by the ratio pi / pi_old, which on-policy has k2's
+    gradient token by token."""
+    torch.manual_seed(0)
+    logits = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(7, dtype=torch.float64).log_softmax(-1)
+    logp = logits.log_softmax(-1)
+    pi = logp.exp().detach()  # sampling weights: the samples do not move with the parameters
+
+    def grad(loss):
+        return torch.autograd.grad(loss, logits, retain_graph=True)[0]
+
+    reverse_kl = (logp.exp() * (logp - ref)).sum()
+    forward_kl = (ref.exp() * (ref - logp)).sum()
+    assert (pi * kl_penalty(logp, ref, "k3")).sum().item() == pytest.approx(reverse_kl.item(), rel=1e-12)
+    k3_grad = grad((pi * kl_penalty(logp, ref, "k3")).sum())
+    assert torch.allclose(k3_grad, grad(forward_kl), atol=1e-12)
+    assert not torch.allclose(k3_grad, grad(reverse_kl), atol=1e-3)
+    assert torch.allclose(grad((pi * kl_penalty(logp, ref, "k2")).sum()), grad(reverse_kl), atol=1e-12)
+    ratio = torch.exp(logp - logp.detach())  # 1 on-policy, with the gradient of logp
+    for k in range(7):
+        assert torch.allclose(grad(ratio[k] * kl_penalty(logp, ref, "k3")[k]), grad(kl_penalty(logp, ref, "k2")[k]),
+                              atol=1e-12)
+
+
 def test_kl_estimator_invalid():
     with pytest.raises(ValueError):
         kl_penalty(torch.zeros(2), torch.zeros(2), "k4")
