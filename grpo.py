@@ -145,6 +145,9 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator (k3 = exp(ref-logp) - (ref-logp) - 1, unbiased and always >= 0; its gradient is that
     of the forward KL(ref || pi), k2's that of KL(pi || ref), as TRL's use_bias_correction_kl: see kl_penalty)"""
+    kl_ratio_weighted: bool = False
+    """multiply the per-token KL by the ratio pi / pi_old (TRL 1.16's use_bias_correction_kl, its default): an
+    importance-weighted estimate of KL(pi || ref) from the sampler's tokens, whose gradient is k2's on-policy"""
     clip_eps_low: float = 0.2
     """PPO clip: the ratio is clipped below at 1 - clip_eps_low"""
     clip_eps_high: float = 0.2
@@ -278,6 +281,7 @@ def grpo_loss(
     max_completion_length: Optional[int] = None,
     delta: Optional[float] = None,
     kl_estimator: str = "k3",
+    kl_ratio_weighted: bool = False,
     total_sequences: Optional[int] = None,
     total_tokens: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict]:
@@ -285,7 +289,8 @@ def grpo_loss(
 
     Shapes: logp, old_logp, ref_logp, mask [B, T] (mask 1 on completion tokens, EOS included); advantages [B].
     Per token: l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * KL, with r = exp(logp - old_logp)
-    (with `delta`, the unclipped term uses min(r, delta), INTELLECT-2's two-sided bound). Aggregation, with m the
+    (with `delta`, the unclipped term uses min(r, delta), INTELLECT-2's two-sided bound; with `kl_ratio_weighted`,
+    KL is r * KL, r unclipped, as TRL's use_bias_correction_kl). Aggregation, with m the
     mask, N the number of sequences    and M the number of completion tokens over the whole batch:
         grpo:          (1/N) sum_i [ sum_t l_it m_it / sum_t m_it ]   (each sequence's token mean; empty rows add 0)
         bnpo, dapo:    sum_it l_it m_it / M                            (token mean over the batch)
@@ -319,6 +324,8 @@ def grpo_loss(
         if ref_logp is None:
             raise ValueError("kl_coef != 0 needs ref_logp")
         kl = kl_penalty(torch.where(in_loss, logp, 0.0), torch.where(in_loss, ref_logp, 0.0), kl_estimator)  # [B, T]
+        if kl_ratio_weighted:  # tokens were sampled from pi_old: weighting by pi / pi_old estimates KL under pi
+            kl = ratio * kl
         token_loss = token_loss + kl_coef * kl
 
     if loss_type == "grpo":
@@ -1643,7 +1650,8 @@ def train(args: Args) -> dict:
                         loss_mask[mb, completions],
                         clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
                         loss_type=args.loss_type, max_completion_length=args.max_new_tokens, delta=args.delta,
-                        kl_estimator=args.kl_estimator, total_sequences=total_sequences, total_tokens=total_tokens)
+                        kl_estimator=args.kl_estimator, kl_ratio_weighted=args.kl_ratio_weighted,
+                        total_sequences=total_sequences, total_tokens=total_tokens)
                     loss.backward()
                     if not args.fsdp:  # bf16 weights: each micro-batch's gradient is added in fp32, not in bf16
                         for p, m in mastered:

@@ -85,8 +85,9 @@ def naive_kl_grad(lp: float, ref: float, estimator: str = "k3") -> float:
     return 1.0 - math.exp(x)
 
 
-def naive_token(lp, olp, ref, a, *, eps_low, eps_high, kl_coef, delta, estimator):
-    """(loss, d loss / d lp) of one token: l = -min(r'*A, clip(r, 1-el, 1+eh)*A) + kl_coef*KL, r' = min(r, delta)."""
+def naive_token(lp, olp, ref, a, *, eps_low, eps_high, kl_coef, delta, estimator, kl_weighted=False):
+    """(loss, d loss / d lp) of one token: l = -min(r'*A, clip(r, 1-el, 1+eh)*A) + kl_coef*KL, r' = min(r, delta),
+    KL times r when kl_weighted."""
     r = math.exp(lp - olp)
     capped = delta is not None and r > delta
     r_unclipped = delta if capped else r
@@ -101,14 +102,18 @@ def naive_token(lp, olp, ref, a, *, eps_low, eps_high, kl_coef, delta, estimator
         loss, grad = -clipped, grad_clipped
     else:  # equal: inside the clip range both terms are r*A with the same derivative
         loss, grad = -unclipped, grad_unclipped
-    if kl_coef:
+    if kl_coef and kl_weighted:  # d (r KL) / d lp = r KL + r dKL/dlp, since d r / d lp = r
+        loss += kl_coef * r * naive_kl(lp, ref, estimator)
+        grad += kl_coef * r * (naive_kl(lp, ref, estimator) + naive_kl_grad(lp, ref, estimator))
+    elif kl_coef:
         loss += kl_coef * naive_kl(lp, ref, estimator)
         grad += kl_coef * naive_kl_grad(lp, ref, estimator)
     return loss, grad
 
 
 def naive_grpo_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, eps_low=0.2, eps_high=0.2, kl_coef=0.0,
-                    delta=None, estimator="k3", max_len=None, total_sequences=None, total_tokens=None):
+                    delta=None, estimator="k3", kl_weighted=False, max_len=None, total_sequences=None,
+                    total_tokens=None):
     """Returns (loss, grad [B][T] of the loss w.r.t. logp) from nested loops."""
     logp, old_logp, mask = logp.tolist(), old_logp.tolist(), mask.tolist()
     ref_logp = ref_logp.tolist() if ref_logp is not None else None
@@ -128,7 +133,7 @@ def naive_grpo_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, eps_low=0
         for t in range(len(logp[i])):
             ref = ref_logp[i][t] if ref_logp is not None else 0.0
             loss, grad = naive_token(logp[i][t], old_logp[i][t], ref, adv[i], eps_low=eps_low, eps_high=eps_high,
-                                     kl_coef=kl_coef, delta=delta, estimator=estimator)
+                                     kl_coef=kl_coef, delta=delta, estimator=estimator, kl_weighted=kl_weighted)
             row_sum += loss * mask[i][t]
             row_count += mask[i][t]
             row_grads.append(grad * mask[i][t])
@@ -192,9 +197,11 @@ def run_kernel(logp, old_logp, ref_logp, adv, mask, **kwargs):
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("kl_coef,estimator", [(0.0, "k3"), (0.1, "k3"), (0.3, "k1"), (0.2, "k2")])
+@pytest.mark.parametrize("kl_coef,estimator,kl_weighted",
+                         [(0.0, "k3", False), (0.1, "k3", False), (0.3, "k1", False), (0.2, "k2", False),
+                          (0.2, "k3", True)])
 @pytest.mark.parametrize("delta", [None, 1.5])
-def test_grpo_loss_matches_naive(loss_type, kl_coef, estimator, delta):
+def test_grpo_loss_matches_naive(loss_type, kl_coef, estimator, kl_weighted, delta):
     logp, old_logp, ref_logp, adv, mask = make_batch(seed=11)
     ref_arg = ref_logp if kl_coef else None  # ref_logp may be None when kl_coef is 0
     ratio = (logp - old_logp).exp()
@@ -208,10 +215,10 @@ def test_grpo_loss_matches_naive(loss_type, kl_coef, estimator, delta):
 
     loss, stats, grad = run_kernel(logp, old_logp, ref_arg, adv, mask, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH,
                                    kl_coef=kl_coef, loss_type=loss_type, max_completion_length=MAX_LEN, delta=delta,
-                                   kl_estimator=estimator)
+                                   kl_estimator=estimator, kl_ratio_weighted=kl_weighted)
     expected, expected_grad = naive_grpo_loss(logp, old_logp, ref_arg, adv, mask, loss_type=loss_type,
                                               eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=kl_coef, delta=delta,
-                                              estimator=estimator, max_len=MAX_LEN)
+                                              estimator=estimator, kl_weighted=kl_weighted, max_len=MAX_LEN)
     assert loss.dim() == 0
     assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=grad.dtype), rtol=1e-10, atol=1e-12)

@@ -220,6 +220,24 @@ def test_kl_estimator_reaches_the_loss(estimator, tmp_path, capsys, monkeypatch)
     assert metrics[1]["kl_mean"] == pytest.approx(means[estimator], rel=1e-4, abs=1e-7)
 
 
+def test_kl_ratio_weighted_reaches_the_loss(tmp_path, capsys, monkeypatch):
+    """With --kl-ratio-weighted, the second iteration over a batch (ratio != 1) logs mean(r * k3), r = pi / pi_old,
+    from the log-probs grpo_loss was given."""
+    calls = []
+    spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: calls.append(
+        ([a.detach().double() for a in args[:3]], args[4].double(), result[1]["kl_mean"].item())))
+    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "2", "--num-eval-prompts", "0",
+                                                  "--kl-coef", "0.05", "--learning-rate", "1e-2", "--num-iterations",
+                                                  "2", "--kl-ratio-weighted"], capsys)
+    (logp, old_logp, ref_logp), mask, kl_mean = calls[-1]
+    x, ratio = (ref_logp - logp) * mask, torch.exp((logp - old_logp) * mask)
+    weighted, plain = [((value * mask).sum() / mask.sum()).item() for value in (ratio * (torch.expm1(x) - x),
+                                                                                 torch.expm1(x) - x)]
+    assert abs(weighted - plain) > 0.1 * plain  # the first iteration's update moved the ratio off 1
+    assert kl_mean == pytest.approx(weighted, rel=1e-4, abs=1e-8)
+    assert metrics[1]["kl_mean"] == pytest.approx(weighted, rel=1e-4, abs=1e-8)
+
+
 def naive_advantages(rewards: list[float], group_size: int, scale: str, eps: float = 1e-4) -> list[float]:
     groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
     batch_std = statistics.stdev(rewards)
