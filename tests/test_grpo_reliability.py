@@ -570,8 +570,10 @@ def test_keep_checkpoints_keeps_the_newest(tmp_path):
 
 
 def test_two_processes_make_the_same_update_as_one(tmp_path):
+    """dapo: each process's token sum is divided by the token count of both (Adam's first step hides a gradient
+    scale, so the loss and gradient norm are compared too)."""
     flags = ["--total-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-             "--num-eval-prompts", "8", "--kl-coef", "0.05", "--loss-type", "grpo", "--learning-rate", "1e-3"]
+             "--num-eval-prompts", "8", "--kl-coef", "0.05", "--loss-type", "dapo", "--learning-rate", "1e-3"]
     single = tmp_path / "single"
     run_grpo(single, *flags)
     double = tmp_path / "double"
@@ -582,12 +584,15 @@ def test_two_processes_make_the_same_update_as_one(tmp_path):
     from safetensors.torch import load_file
 
     one, two = load_file(single / "final" / "model.safetensors"), load_file(double / "final" / "model.safetensors")
-    assert max((one[name] - two[name]).abs().max().item() for name in one) < 1e-5
+    # Adam divides each entry by its own RMS: fp32 rounding in near-zero entries moves a weight by a few percent of
+    # a step (lr 1e-3; measured 1.9e-5), a wrong normaliser by whole steps
+    assert max((one[name] - two[name]).abs().max().item() for name in one) < 1e-4
     # and the update was not a no-op: the weights moved from their (seeded, identical) initial values
     torch.manual_seed(1)
     initial = grpo.build_tiny_model(grpo.build_tiny_tokenizer()).state_dict()
     assert max((one[name] - initial[name]).abs().max().item() for name in one) > 5e-4  # Adam moves ~lr
-    assert read_metrics(single)[0]["reward"] == pytest.approx(read_metrics(double)[0]["reward"])
+    for key in ("reward", "loss", "grad_norm"):
+        assert read_metrics(single)[0][key] == pytest.approx(read_metrics(double)[0][key], rel=1e-5), key
 
 
 def test_a_prompt_of_no_tokens_is_refused():

@@ -116,9 +116,12 @@ def test_num_iterations_2_moves_the_ratio(tmp_path):
     assert any(row["clip_frac_low"] + row["clip_frac_high"] > 0 for row in metrics)
 
 
-def test_micro_batches_give_the_same_update(tmp_path):
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batches_give_the_same_update(loss_type, tmp_path):
+    """Each loss type's normaliser is the whole batch's (sequences, tokens, or sequences x max length), whatever
+    the micro-batches: the default dapo would otherwise divide each micro-batch by its own token count."""
     whole, split = tmp_path / "whole", tmp_path / "split"
-    flags = [*QUICK, "--total-steps", "1", "--loss-type", "grpo", "--kl-coef", "0.05"]
+    flags = [*QUICK, "--total-steps", "1", "--loss-type", loss_type, "--kl-coef", "0.05"]
     run_grpo(whole, *flags)
     run_grpo(split, *flags, "--micro-batch-size", "4")
     a, b = read_metrics(whole)[0], read_metrics(split)[0]
