@@ -1267,6 +1267,11 @@ def test_generate_never_feeds_back_the_last_token():
     ("#### .5", "0.5", 1.0),
     ("it costs $7.50", "7.5", 1.0),
     ("x = -3/4", "-0.75", 1.0),
+    ("x = -3", "3", 0.0),  # the sign is part of the number
+    ("x = 3", "-3", 0.0),
+    ("\\boxed{3}, no: \\boxed{5}", "5", 1.0),  # the last box is the answer
+    ("\\boxed{3}, no: \\boxed{5}", "3", 0.0),
+    ("#### 3 wait #### 5", "5", 1.0),  # and the last ####
     ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # nested braces: not the last number, 2
     ("so \\boxed{\\frac{1}{2}}", "2", 0.0),
     ("\\boxed{-\\dfrac{3}{4}}", "-0.75", 1.0),
@@ -1309,7 +1314,8 @@ def test_final_answer_reads_fractions_and_unclosed_boxes():
 
 
 @pytest.mark.parametrize("completion, expected", [
-    ("42", 1.0), ("-3.5", 1.0), ("07", 0.0), ("4 2", 0.0), ("so #### 12", 1.0), ("#### 12 ok", 0.0),
+    ("42", 1.0), ("-3.5", 1.0), ("07", 0.0), ("4 2", 0.0), ("so #### 12", 1.0), ("so #### -3", 1.0),
+    ("#### 12 ok", 0.0),
     ("so \\boxed{\\frac{1}{2}}", 1.0), ("so \\boxed{}", 0.0), ("\\boxed{3} more", 0.0),
 ])
 def test_format_reward(completion, expected):
