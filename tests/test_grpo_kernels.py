@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo import (  # noqa: E402
+    Args,
     UserError,
     build_tiny_model,
     answer_reward,
@@ -37,6 +38,7 @@ from grpo import (  # noqa: E402
     guess_peak_tflops,
     kl_penalty,
     left_pad,
+    lr_lambda,
     prompt_sharing,
     resolve_device,
     step_flops,
@@ -1114,6 +1116,17 @@ def test_weight_counts_of_tied_and_untied_models():
                                           num_attention_heads=4, intermediate_size=64, tie_word_embeddings=False))
     total = sum(p.numel() for p in untied.parameters())
     assert weight_counts(untied) == (total - 2 * vocab * hidden, vocab * hidden)
+
+
+def test_lr_schedule_by_hand():
+    """Linear warm-up to the full rate, then constant or a half cosine over the updates left: 0.5 (1 + cos(pi p)),
+    p = (update - warmup) / (total - warmup)."""
+    constant = lr_lambda(Args(warmup_steps=2, lr_schedule="constant"), 5)
+    assert [constant(u) for u in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+    cosine = lr_lambda(Args(warmup_steps=1, lr_schedule="cosine"), 5)
+    assert [cosine(u) for u in range(5)] == pytest.approx([1.0, 1.0, 0.8535534, 0.5, 0.1464466], abs=1e-7)
+    no_warmup = lr_lambda(Args(warmup_steps=0, lr_schedule="cosine"), 4)
+    assert [no_warmup(u) for u in range(4)] == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466], abs=1e-7)
 
 
 def test_step_flops_by_hand():

@@ -100,6 +100,10 @@ def test_prm_loss_stats_by_hand():
     assert stats["score_mean"].item() == pytest.approx(expected_mean, rel=1e-6)
     _, stats = prm.prm_loss(logits, labels, mask, "mse")  # the raw output is the score: 2.0 >= .5, -1 < .5 ...
     assert stats["accuracy"].item() == pytest.approx(2 / 4)
+    assert stats["score_mean"].item() == pytest.approx((2.0 - 1.0 + 0.5 - 3.0) / 4)
+    # a raw 0.3 is below 0.5 (right for label 0), though its sigmoid (0.57) is above
+    _, stats = prm.prm_loss(torch.tensor([[0.3]]), torch.tensor([[0.0]]), torch.tensor([[True]]), "mse")
+    assert stats["accuracy"].item() == 1.0 and stats["score_mean"].item() == pytest.approx(0.3)
 
 
 def test_prm_loss_micro_batches_with_total_steps_sum_to_the_whole_batch():
@@ -264,6 +268,7 @@ def test_step_accuracy_and_auroc_by_hand():
     assert prm.auroc([0.1, 0.2, 0.3, 0.4], [1, 1, 0, 0]) == 0.0
     assert prm.auroc([0.5, 0.5, 0.5], [1, 0, 1]) == 0.5
     assert math.isnan(prm.auroc([0.1, 0.9], [1, 1]))
+    assert prm.auroc([0.9, 0.1], [0.5, 0.0]) == 1.0  # a soft label of 0.5 is a correct step here too
 
 
 def test_auroc_matches_pairwise_count_with_many_ties():
@@ -287,6 +292,8 @@ def test_first_error_f1_by_hand():
     assert prm.first_error_f1(scores, labels, 0.0) == pytest.approx((0.0, 0.0, 1.0))
     f1, acc_err, acc_corr = prm.first_error_f1(scores[2:], labels[2:], 0.5)  # no erroneous solution at all
     assert math.isnan(f1) and math.isnan(acc_err) and acc_corr == 0.5
+    # a soft label of 0.5 is no error (as in step_accuracy): solution 0 is correct, solution 1's error is step 1
+    assert prm.first_error_f1([[0.9], [0.9, 0.1]], [[0.5], [1, 0]], 0.5) == (1.0, 1.0, 1.0)
 
 
 def test_a_first_error_truncated_away_is_a_miss_not_a_correct_solution():
@@ -750,6 +757,17 @@ def test_default_run_learns_to_check_steps(tmp_path):
     assert summary["eval_auroc_end"] >= 0.9 and summary["eval_first_error_f1_end"] >= 0.8
     # a scorer blind to step content does clearly worse
     assert summary["baseline_position_auroc"] < 0.85 and summary["baseline_position_first_error_f1"] < 0.5
+
+
+def test_lr_schedule_by_hand():
+    """Linear warm-up to the full rate, then constant or a half cosine over the updates left: 0.5 (1 + cos(pi p)),
+    p = (update - warmup) / (total - warmup)."""
+    constant = prm.lr_lambda(prm.Args(warmup_steps=2, lr_schedule="constant"), 5)
+    assert [constant(u) for u in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+    cosine = prm.lr_lambda(prm.Args(warmup_steps=1, lr_schedule="cosine"), 5)
+    assert [cosine(u) for u in range(5)] == pytest.approx([1.0, 1.0, 0.8535534, 0.5, 0.1464466], abs=1e-7)
+    no_warmup = prm.lr_lambda(prm.Args(warmup_steps=0, lr_schedule="cosine"), 4)
+    assert [no_warmup(u) for u in range(4)] == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466], abs=1e-7)
 
 
 def test_step_flops_by_hand():
