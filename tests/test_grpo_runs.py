@@ -166,24 +166,31 @@ def test_shared_prompts_give_the_same_run(tmp_path):
 ])
 def test_train_shares_prompts_when_its_flag_says(flags, reference_plans, training_plans, tmp_path, monkeypatch,
                                                  capsys):
-    """What train() hands completion_logprobs: the rows of each micro-batch numbered by prompt, or None."""
+    """What train() hands completion_logprobs: the rows of each micro-batch numbered by prompt, or None; and the
+    prompt tokens step_flops counts for each pass: 4 x 12 when shared, 16 x 12 when every row encodes its own."""
     import grpo
     from conftest import run_script_main
 
-    calls = []
-    score = grpo.completion_logprobs
+    calls, flop_counts = [], []
+    score, count_flops = grpo.completion_logprobs, grpo.step_flops
 
     def spy(*args, prompt_of_row=None, with_entropy=False, **kwargs):
         calls.append(("training" if with_entropy else "reference", prompt_of_row))
         return score(*args, prompt_of_row=prompt_of_row, with_entropy=with_entropy, **kwargs)
 
     monkeypatch.setattr(grpo, "completion_logprobs", spy)
+    monkeypatch.setattr(grpo, "step_flops", lambda *args, **kwargs: flop_counts.append(kwargs) or count_flops(
+        *args, **kwargs))
     argv = ["--output-dir", str(tmp_path / "run"), *QUICK, "--total-steps", "1", "--kl-coef", "0.05", *flags]
     assert run_script_main(grpo.main, "grpo.py", argv, capsys)[0] == 0
     shared = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     for which, expected in (("reference", reference_plans), ("training", training_plans)):
         plans = [plan for kind, plan in calls if kind == which]
         assert plans and all(plan == (shared if expected == "shared" else None) for plan in plans), (which, plans)
+    (counted,) = flop_counts
+    assert counted["unique_prompt_tokens"] == 4 * 12
+    assert counted["reference_prompt_tokens"] == (4 if reference_plans == "shared" else 16) * 12
+    assert counted["update_prompt_tokens"] == (4 if training_plans == "shared" else 16) * 12
 
 
 def test_micro_batches_are_cut_to_their_own_longest_prompt_and_completion(tmp_path, monkeypatch, capsys):

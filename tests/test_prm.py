@@ -611,6 +611,12 @@ def test_default_run_few_steps(tmp_path):
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["steps"] == 3 and summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
     assert summary["matmul_tflops_measured"] > 0 and 0 < summary["flop_floor_fraction"] < 1.5  # CPU: vs measured
+    # model FLOP/s: 6 per body weight per trained token (full fine-tuning), over the same timed steps as tokens/s
+    backbone = prm.build_tiny_backbone(prm.build_tiny_tokenizer())
+    body = sum(p.numel() for p in backbone.parameters()) - backbone.get_input_embeddings().weight.numel()
+    assert summary["model_tflops_per_s"] == pytest.approx(6 * body * summary["tokens_per_s"] / 1e12, rel=1e-6)
+    assert summary["flop_floor_fraction"] == pytest.approx(
+        summary["model_tflops_per_s"] / summary["matmul_tflops_measured"], rel=1e-6)
     assert summary["dropped_steps"] == 0 and summary["dropped_rows"] == 0 and summary["eval_rows"] == 40
     assert 0.0 <= summary["eval_auroc_end"] <= 1.0 and 0.0 <= summary["baseline_position_auroc"] <= 1.0
     metrics = read_metrics(out)
