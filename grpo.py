@@ -204,7 +204,8 @@ class Args:
     """shard weights, gradients and optimiser state over the processes with FSDP2 (CUDA only; for models that do
     not fit one GPU): weights stay fp32, computed in --dtype"""
     peak_tflops: float = 0.0
-    """peak dense TFLOP/s of one device in the run's dtype, for MFU; 0 = look up a bf16 run's by the GPU's name"""
+    """peak dense TFLOP/s of one device in the run's dtype, for MFU (on any device); 0 = look up a bf16 run's by the
+    GPU's name (no MFU on CPU then)"""
 
     # Derived (filled in at the top of train)
     run_name: tyro.conf.Suppress[str] = ""
@@ -1234,6 +1235,7 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           f"--delta {args.delta} must be above 1 + --clip-eps-high, or the bound clips every positive ratio")
     check(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
     check(args.learning_rate >= 0, f"--learning-rate must be >= 0, got {args.learning_rate}")
+    check(args.peak_tflops >= 0, f"--peak-tflops must be >= 0 (0 = look up a GPU's bf16 peak), got {args.peak_tflops}")
     check(args.eval_batch_size >= 1 and args.num_eval_prompts >= 0,
           "--eval-batch-size must be at least 1 and --num-eval-prompts >= 0")
     check(args.eval_every >= 0 and args.save_every >= 0, "--eval-every and --save-every must be >= 0 (0 = never)")
@@ -1830,7 +1832,7 @@ def train(args: Args) -> dict:
     # or, on CPU, against the matmul throughput measured here (the FLOP-floor fraction)
     achieved = sum(step_model_flops[timed]) / max(sum(step_times[timed]), 1e-9)
     summary["model_tflops_per_s"] = achieved / 1e12
-    if device.type == "cuda" and step_times:
+    if (device.type == "cuda" or args.peak_tflops) and step_times:
         # the table holds bf16 peaks: an fp32 run (TF32 or not) has another, which only the user can give
         peak = args.peak_tflops or (guess_peak_tflops(torch.cuda.get_device_name(device))
                                     if dtype == torch.bfloat16 else 0.0)
@@ -1838,7 +1840,7 @@ def train(args: Args) -> dict:
             print0(f"warning: no {dtype} peak FLOP/s known for {torch.cuda.get_device_name(device)}: mfu is NaN; "
                    "pass --peak-tflops (the device's dense figure in that dtype)", file=sys.stderr, enabled=is_main)
         summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
-    elif step_times:
+    if device.type != "cuda" and step_times:
         measured = matmul_flops_per_s(device, dtype)
         summary["matmul_tflops_measured"] = measured / 1e12
         summary["flop_floor_fraction"] = achieved / measured

@@ -177,7 +177,8 @@ class Args:
     """shard weights, gradients and optimiser state over the processes with FSDP2 (CUDA only; for models that do
     not fit one GPU): weights stay fp32, the backbone computes in --dtype"""
     peak_tflops: float = 0.0
-    """peak dense TFLOP/s of one device in the run's dtype, for MFU; 0 = look up a bf16 run's by the GPU's name"""
+    """peak dense TFLOP/s of one device in the run's dtype, for MFU (on any device); 0 = look up a bf16 run's by the
+    GPU's name (no MFU on CPU then)"""
 
     # Derived (filled in at the top of train)
     run_name: tyro.conf.Suppress[str] = ""
@@ -1159,6 +1160,7 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
             raise UserError(message)
 
     check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
+    check(args.peak_tflops >= 0, f"--peak-tflops must be >= 0 (0 = look up a GPU's bf16 peak), got {args.peak_tflops}")
     check(0.0 <= args.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     check(bool(args.step_separator), "--step-separator must not be empty: each step's label sits on its "
           "separator's last token")
@@ -1772,7 +1774,7 @@ def train(args: Args) -> dict:
     achieved = (step_flops(body_weights, sum(step_tokens[timed]), args.lora_r == 0) / args.world_size
                 / max(sum(step_times[timed]), 1e-9))
     summary["model_tflops_per_s"] = achieved / 1e12
-    if device.type == "cuda" and step_times:
+    if (device.type == "cuda" or args.peak_tflops) and step_times:
         # the table holds bf16 peaks: an fp32 run (TF32 or not) has another, which only the user can give
         peak = args.peak_tflops or (guess_peak_tflops(torch.cuda.get_device_name(device))
                                     if dtype == torch.bfloat16 else 0.0)
@@ -1780,7 +1782,7 @@ def train(args: Args) -> dict:
             print0(f"warning: no {dtype} peak FLOP/s known for {torch.cuda.get_device_name(device)}: mfu is NaN; "
                    "pass --peak-tflops (the device's dense figure in that dtype)", file=sys.stderr, enabled=is_main)
         summary["mfu"] = achieved / (peak * 1e12) if peak else float("nan")
-    elif step_times:
+    if device.type != "cuda" and step_times:
         measured = matmul_flops_per_s(device, dtype)
         summary["matmul_tflops_measured"] = measured / 1e12
         summary["flop_floor_fraction"] = achieved / measured

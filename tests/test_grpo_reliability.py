@@ -71,6 +71,7 @@ BAD_INPUTS = {
     "dr_grpo without a length": (lambda tmp: ["--loss-type", "dr_grpo", "--max-new-tokens", "0"],
                                  "--max-new-tokens must be at least 1"),
     "delta inside the clip range": (lambda tmp: ["--delta", "1.1"], "--delta 1.1 must be above"),
+    "negative peak": (lambda tmp: ["--peak-tflops", "-1"], "--peak-tflops must be >= 0"),
     "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "not a checkpoint written by grpo.py"),
     "not utf-8": (lambda tmp: ["--data-path", latin1_file(tmp)], "rows.jsonl:2: not UTF-8 text"),
     "data path is a directory": (lambda tmp: ["--data-path", str(tmp)], "is a directory; pass a JSONL file"),

@@ -240,17 +240,19 @@ def test_kl_ratio_weighted_reaches_the_loss(tmp_path, capsys, monkeypatch):
 
 def test_model_flops_per_second_are_over_the_timed_steps(tmp_path, capsys, monkeypatch):
     """The summary's model FLOP/s: the FLOPs step_flops counted for steps 2 and 3 over those steps' logged times
-    (the first step pays for warm-up and is left out of both), and the FLOP-floor fraction against the measured
-    matmul rate."""
+    (the first step pays for warm-up and is left out of both), the FLOP-floor fraction against the measured
+    matmul rate, and the MFU against --peak-tflops (on any device)."""
     counted = []
     spy_on(monkeypatch, "step_flops", lambda args, kwargs, result: counted.append(result))
-    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "3", "--num-eval-prompts", "0"], capsys)
+    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "3", "--num-eval-prompts", "0",
+                                                  "--peak-tflops", "0.25"], capsys)
     summary = read_summary(tmp_path / "run")
     assert len(counted) == 3 and counted[0] != counted[1]  # the steps' completions differ in length
     expected = sum(counted[1:]) / sum(row["step_time_s"] for row in metrics[1:])
     assert summary["model_tflops_per_s"] == pytest.approx(expected / 1e12, rel=1e-6)
     assert summary["flop_floor_fraction"] == pytest.approx(expected / 1e12 / summary["matmul_tflops_measured"],
                                                            rel=1e-6)
+    assert summary["mfu"] == pytest.approx(expected / 0.25e12, rel=1e-6)
 
 
 def naive_advantages(rewards: list[float], group_size: int, scale: str, eps: float = 1e-4) -> list[float]:

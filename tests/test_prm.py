@@ -606,7 +606,7 @@ def test_packing_is_refused_for_a_backbone_that_carries_state_across_examples():
 
 def test_default_run_few_steps(tmp_path):
     out = tmp_path / "run"
-    process = run_prm("--output-dir", str(out), *QUICK)
+    process = run_prm("--output-dir", str(out), *QUICK, "--peak-tflops", "0.25")
     summary = read_summary(out)
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["steps"] == 3 and summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
@@ -617,6 +617,7 @@ def test_default_run_few_steps(tmp_path):
     assert summary["model_tflops_per_s"] == pytest.approx(6 * body * summary["tokens_per_s"] / 1e12, rel=1e-6)
     assert summary["flop_floor_fraction"] == pytest.approx(
         summary["model_tflops_per_s"] / summary["matmul_tflops_measured"], rel=1e-6)
+    assert summary["mfu"] == pytest.approx(summary["model_tflops_per_s"] / 0.25, rel=1e-6)  # --peak-tflops 0.25
     assert summary["dropped_steps"] == 0 and summary["dropped_rows"] == 0 and summary["eval_rows"] == 40
     assert 0.0 <= summary["eval_auroc_end"] <= 1.0 and 0.0 <= summary["baseline_position_auroc"] <= 1.0
     metrics = read_metrics(out)

@@ -105,6 +105,7 @@ BAD_INPUTS = {
     # flags that contradict each other
     "negative lora rank": (lambda tmp: ["--lora-r", "-1"], "--lora-r", "must be >= 0"),
     "lora dropout 1": (lambda tmp: ["--lora-r", "4", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
+    "negative peak": (lambda tmp: ["--peak-tflops", "-1"], "--peak-tflops must be >= 0", "got -1.0"),
     "micro-batch larger than batch": (lambda tmp: ["--micro-batch-size", "16"], "--micro-batch-size 16",
                                       "is larger than the batch of 8 rows"),
     "negative micro-batch": (lambda tmp: ["--micro-batch-size", "-1"], "--micro-batch-size", "must be >= 0"),
