@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
 import prm
@@ -133,9 +134,13 @@ def test_prm_loss_all_empty_padding_garbage_and_bad_kind():
 
 
 def test_prm_loss_is_fp32_for_bf16_logits():
-    logits = torch.randn(2, 3).to(torch.bfloat16)
-    loss, _ = prm.prm_loss(logits, torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    """The same loss as the fp32 computation on the same (bf16-rounded) logits, not one rounded to bf16 (3 digits)."""
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 3).to(torch.bfloat16), torch.rand(2, 3)
+    loss, _ = prm.prm_loss(logits, labels, torch.ones(2, 3, dtype=torch.bool))
     assert loss.dtype == torch.float32
+    expected = F.binary_cross_entropy_with_logits(logits.float(), labels)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
