@@ -271,6 +271,19 @@ def clip_batch():
     return logp, old_logp, adv, mask
 
 
+def test_a_ratio_exactly_at_a_clip_bound_keeps_its_gradient_and_is_not_counted_clipped():
+    """At r = 1 - eps_low with A < 0, or r = 1 + eps_high with A > 0, exactly, both terms of the min are equal and
+    torch.clamp passes the gradient at its bound: the token keeps the gradient -A r, so it is not counted clipped."""
+    logp = torch.tensor([[math.log(0.75)], [math.log(1.25)]], dtype=torch.float64)
+    assert torch.exp(logp).flatten().tolist() == [0.75, 1.25]  # the bounds exactly, with old_logp = 0
+    adv, mask = torch.tensor([-1.0, 1.0], dtype=torch.float64), torch.ones(2, 1, dtype=torch.float64)
+    loss, stats, grad = run_kernel(logp, torch.zeros_like(logp), None, adv, mask, clip_eps_low=0.25,
+                                   clip_eps_high=0.25, loss_type="dapo")
+    assert loss.item() == pytest.approx((0.75 - 1.25) / 2)  # token losses -r A, averaged over 2 tokens
+    assert grad.flatten().tolist() == pytest.approx([0.75 / 2, -1.25 / 2])
+    assert stats["clip_frac_low"].item() == 0.0 and stats["clip_frac_high"].item() == 0.0
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_clip_gradient_zero_exactly_where_clip_active(loss_type):
     logp, old_logp, adv, mask = clip_batch()
