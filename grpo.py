@@ -154,6 +154,10 @@ class Args:
     """PPO clip: the ratio is clipped above at 1 + clip_eps_high (DAPO uses 0.28)"""
     delta: Optional[float] = None
     """optional upper bound on the unclipped ratio (two-sided clipping, INTELLECT-2); None = off"""
+    importance_sampling: Literal["token", "sequence"] = "token"
+    """token: a ratio per token (PPO, GRPO); sequence: GSPO (https://arxiv.org/abs/2507.18071), one ratio per
+    completion, the geometric mean of its tokens' ratios, clipped as a whole. It differs from token only off-policy
+    (--num-iterations above 1); the paper pairs it with --loss-type grpo and clip ranges of 3e-4 / 4e-4"""
 
     # Optimisation
     learning_rate: float = 3e-4
@@ -281,6 +285,7 @@ def grpo_loss(
     loss_type: str = "grpo",
     max_completion_length: Optional[int] = None,
     delta: Optional[float] = None,
+    importance_sampling: str = "token",
     kl_estimator: str = "k3",
     kl_ratio_weighted: bool = False,
     total_sequences: Optional[int] = None,
@@ -291,7 +296,8 @@ def grpo_loss(
     Shapes: logp, old_logp, ref_logp, mask [B, T] (mask 1 on completion tokens, EOS included); advantages [B].
     Per token: l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * KL, with r = exp(logp - old_logp)
     (with `delta`, the unclipped term uses min(r, delta), INTELLECT-2's two-sided bound; with `kl_ratio_weighted`,
-    KL is r * KL, r unclipped, as TRL's use_bias_correction_kl). Aggregation, with m the
+    KL is r * KL, r unclipped, as TRL's use_bias_correction_kl). importance_sampling="sequence" (GSPO) gives every
+    token of sequence i the same r_i = exp(sum_t m_it (logp - old_logp)_it / sum_t m_it). Aggregation, with m the
     mask, N the number of sequences    and M the number of completion tokens over the whole batch:
         grpo:          (1/N) sum_i [ sum_t l_it m_it / sum_t m_it ]   (each sequence's token mean; empty rows add 0)
         bnpo, dapo:    sum_it l_it m_it / M                            (token mean over the batch)
@@ -315,7 +321,13 @@ def grpo_loss(
     in_loss = mask.bool()
     # masked positions may hold anything (padding after EOS): zero their log-ratios before exp, or an overflow
     # there would turn into inf * 0 = NaN in the loss and its gradient
-    ratio = torch.exp(torch.where(in_loss, logp - old_logp, 0.0))  # [B, T]
+    log_ratio = torch.where(in_loss, logp - old_logp, 0.0)  # [B, T]
+    if importance_sampling == "sequence":  # GSPO: each sequence's mean log-ratio, on every one of its tokens
+        log_ratio = (log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)).expand_as(
+            log_ratio)  # [B, T]
+    elif importance_sampling != "token":
+        raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
+    ratio = torch.exp(log_ratio)  # [B, T]
     unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     token_loss = -torch.min(unclipped_ratio * adv, clipped_ratio * adv)  # [B, T]
@@ -1652,8 +1664,9 @@ def train(args: Args) -> dict:
                         loss_mask[mb, completions],
                         clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, kl_coef=args.kl_coef,
                         loss_type=args.loss_type, max_completion_length=args.max_new_tokens, delta=args.delta,
-                        kl_estimator=args.kl_estimator, kl_ratio_weighted=args.kl_ratio_weighted,
-                        total_sequences=total_sequences, total_tokens=total_tokens)
+                        importance_sampling=args.importance_sampling, kl_estimator=args.kl_estimator,
+                        kl_ratio_weighted=args.kl_ratio_weighted, total_sequences=total_sequences,
+                        total_tokens=total_tokens)
                     loss.backward()
                     if not args.fsdp:  # bf16 weights: each micro-batch's gradient is added in fp32, not in bf16
                         for p, m in mastered:

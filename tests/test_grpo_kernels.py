@@ -152,6 +152,34 @@ def naive_grpo_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, eps_low=0
     return total, grads
 
 
+def naive_gspo_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, eps_low, eps_high, kl_coef=0.0, delta=None,
+                    max_len=None):
+    """naive_grpo_loss with GSPO's sequence-level ratio: s_i = exp(mean of row i's masked log-ratios) stands for
+    every token's ratio. Row i's policy term is n_i copies of P(s_i) (naive_token at log s_i), so its gradient on
+    token t is weight * dP/dlog s_i * m_it (d log s_i / d logp_it = m_it / n_i)."""
+    logp, old_logp, mask, adv = logp.tolist(), old_logp.tolist(), mask.tolist(), adv.tolist()
+    ref_logp = ref_logp.tolist() if ref_logp is not None else None
+    n_seq, n_tok = len(logp), sum(map(sum, mask))
+    total, grads = 0.0, []
+    for i in range(n_seq):
+        n_i = sum(mask[i])
+        log_s = sum(m * (lp - olp) for lp, olp, m in zip(logp[i], old_logp[i], mask[i])) / max(n_i, 1.0)
+        policy, d_policy = naive_token(log_s, 0.0, 0.0, adv[i], eps_low=eps_low, eps_high=eps_high,
+                                       kl_coef=0.0, delta=delta, estimator="k3")
+        weight = {"grpo": 1.0 / max(n_i, 1.0) / n_seq, "dapo": 1.0 / n_tok,
+                  "dr_grpo": 1.0 / (n_seq * max_len) if max_len else None}[loss_type]
+        total += weight * n_i * policy
+        row = []
+        for t in range(len(logp[i])):
+            grad = d_policy
+            if kl_coef:
+                total += weight * mask[i][t] * kl_coef * naive_kl(logp[i][t], ref_logp[i][t])
+                grad += kl_coef * naive_kl_grad(logp[i][t], ref_logp[i][t])
+            row.append(weight * grad * mask[i][t])
+        grads.append(row)
+    return total, grads
+
+
 def naive_log_softmax_row(values: list, temperature: float) -> list:
     scaled = [v / temperature for v in values]
     top = max(scaled)
@@ -224,6 +252,34 @@ def test_grpo_loss_matches_naive(loss_type, kl_coef, estimator, kl_weighted, del
     assert loss.dim() == 0
     assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=grad.dtype), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("kl_coef,delta", [(0.0, None), (0.1, 1.5)])
+def test_sequence_importance_sampling_matches_naive(loss_type, kl_coef, delta):
+    """GSPO: one ratio per sequence (the geometric mean of its token ratios), clipped as a whole; rows whose ratio
+    is clipped on either side, both signs of A, a fully masked row and a hole (make_batch)."""
+    logp, old_logp, ref_logp, adv, mask = make_batch(seed=3, spread=0.9)
+    seq_ratio = (((logp - old_logp) * mask).sum(1) / mask.sum(1).clamp(min=1)).exp()
+    assert ((seq_ratio > 1 + EPS_HIGH) | (seq_ratio < 1 - EPS_LOW)).any() and (
+        (seq_ratio < 1 + EPS_HIGH) & (seq_ratio > 1 - EPS_LOW) & (mask.sum(1) > 0)).any(), seq_ratio
+    kwargs = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=kl_coef, loss_type=loss_type,
+                  max_completion_length=MAX_LEN, delta=delta)
+    loss, stats, grad = run_kernel(logp, old_logp, ref_logp, adv, mask, importance_sampling="sequence", **kwargs)
+    expected, expected_grad = naive_gspo_loss(logp, old_logp, ref_logp, adv, mask, loss_type=loss_type,
+                                              eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=kl_coef, delta=delta,
+                                              max_len=MAX_LEN)
+    assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=grad.dtype), rtol=1e-10, atol=1e-12)
+    token_ratio = (stats["ratio_mean"] * stats["tokens"]).item()
+    assert token_ratio == pytest.approx((seq_ratio * mask.sum(1)).sum().item())  # every token carries its row's
+    # on-policy (old = logp) a sequence's ratio is 1, as every token's: the same loss and gradient as "token"
+    on_policy = [run_kernel(logp, logp.detach(), ref_logp, adv, mask, importance_sampling=level, **kwargs)
+                 for level in ("sequence", "token")]
+    assert on_policy[0][0].item() == pytest.approx(on_policy[1][0].item(), rel=1e-12)
+    torch.testing.assert_close(on_policy[0][2], on_policy[1][2], rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="importance_sampling"):
+        grpo_loss(logp, old_logp, None, adv, mask, importance_sampling="tokens")
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -238,6 +238,25 @@ def test_kl_ratio_weighted_reaches_the_loss(tmp_path, capsys, monkeypatch):
     assert metrics[1]["kl_mean"] == pytest.approx(weighted, rel=1e-4, abs=1e-8)
 
 
+def test_sequence_importance_sampling_reaches_the_loss(tmp_path, capsys, monkeypatch):
+    """--importance-sampling sequence: in the second iteration over a batch the logged ratio_mean is the token-
+    weighted mean of each completion's geometric-mean ratio, not of the token ratios."""
+    calls = []
+    spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: calls.append(
+        ([a.detach().double() for a in args[:2]], args[4].double(), result[1]["ratio_mean"].item())))
+    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "1", "--num-eval-prompts", "0",
+                                                  "--learning-rate", "1e-2", "--num-iterations", "2",
+                                                  "--importance-sampling", "sequence"], capsys)
+    (logp, old_logp), mask, ratio_mean = calls[-1]
+    log_ratio = (logp - old_logp) * mask
+    per_sequence = (log_ratio.sum(1) / mask.sum(1).clamp(min=1)).exp()  # [B]
+    sequence_mean = ((per_sequence * mask.sum(1)).sum() / mask.sum()).item()
+    token_mean = ((log_ratio.exp() * mask).sum() / mask.sum()).item()
+    assert abs(sequence_mean - token_mean) > 1e-4  # the first iteration's update moved the ratios apart
+    assert ratio_mean == pytest.approx(sequence_mean, rel=1e-5)
+    assert metrics[0]["ratio_mean"] == pytest.approx(sequence_mean, rel=1e-5)
+
+
 def test_model_flops_per_second_are_over_the_timed_steps(tmp_path, capsys, monkeypatch):
     """The summary's model FLOP/s: the FLOPs step_flops counted for steps 2 and 3 over those steps' logged times
     (the first step pays for warm-up and is left out of both), the FLOP-floor fraction against the measured
