@@ -787,3 +787,90 @@ def test_step_flops_by_hand():
     # LoRA (frozen weights) only the 140 of the input gradients
     assert prm.step_flops(10, 7, full_finetune=True) == 420
     assert prm.step_flops(10, 7, full_finetune=False) == 280
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wiring that a helper's mutation audit found untested: each test fails on the mutation named in its docstring
+
+
+def test_truncation_drops_every_step_after_one_that_does_not_fit():
+    """A shorter step after one that does not fit is dropped too: keeping it would hand it the dropped step's label
+    (labels are kept in order, as many as positions)."""
+    tokenizer = prm.build_tiny_tokenizer()
+    # BOS + "start 7\n" = 9 tokens; step 0 ends at index 14; step 1 (15 tokens) does not fit in 20, step 2 would
+    ids, positions = prm.build_prm_example(tokenizer, "start 7\n", ["7+2=9", "9-3=6 and more", "6=6"],
+                                           step_separator="\n", max_length=20)
+    assert positions == [14] and len(ids) == 15
+
+
+def test_scores_are_the_raw_output_for_mse_and_its_sigmoid_for_bce():
+    for kind, expected in (("mse", 3.0), ("bce", 1 / (1 + math.exp(-3.0)))):
+        model, _ = prm.build_prm(prm.Args(loss_kind=kind), torch.float32)
+        with torch.no_grad():
+            model.head.weight.zero_()
+            model.head.bias.fill_(3.0)
+        assert prm.score_steps(model, ["start 1\n"], [["1+1=2", "2+1=3"]]) == [[pytest.approx(expected)] * 2], kind
+
+
+def test_score_steps_uses_the_prms_own_separator():
+    """A PRM trained on "\\n\\n"-separated steps is scored at the tokens it was trained on."""
+    torch.manual_seed(0)
+    model, _ = prm.build_prm(prm.Args(step_separator="\n\n"), torch.float32)
+    rows = builtin_rows(4)
+    expected = prm.predict(model, prm.encode_rows(model.tokenizer, rows, "\n\n", 1024)[0], 8)
+    scored = prm.score_steps(model, [row["prompt"] for row in rows], [row["completions"] for row in rows])
+    for got, want in zip(scored, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_lora_dropout_survives_the_backbone_dropout_switch_off():
+    """The backbone's dropout is zeroed before the adapters are added, not after: --lora-dropout stays."""
+    model, _ = prm.build_prm(prm.Args(lora_r=4, lora_dropout=0.25), torch.float32)
+    rates = [module.p for name, module in model.backbone.named_modules()
+             if "lora_dropout" in name and isinstance(module, torch.nn.Dropout)]
+    assert rates and set(rates) == {0.25}
+
+
+def test_attention_dropout_kept_as_a_float_on_the_module_is_off(tmp_path):
+    """Llama, Qwen and Mistral apply `self.attention_dropout` (a float from the config) in train mode, not an
+    nn.Dropout: training zeroes it too, so two forward passes agree."""
+    from transformers import LlamaConfig, LlamaModel
+
+    tokenizer = prm.build_tiny_tokenizer()
+    LlamaModel(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, attention_dropout=0.5)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, _ = prm.build_prm(prm.Args(model=str(tmp_path), max_length=64), torch.float32)
+    model.train()
+    ids, positions = torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.tensor([[2, 5]])
+    assert torch.equal(model(ids, None, None, positions), model(ids, None, None, positions))
+
+
+def test_the_threshold_is_chosen_on_validation_rows_only(monkeypatch):
+    """Validation scores .9 / .1 separate anywhere in (.1, .9); the eval rows' (.3 / .2) would pull the threshold
+    to .25, an optimistic F1 measured on the rows it was tuned on."""
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    val = [{"input_ids": [1], "positions": [0], "labels": [y], "all_labels": [y], "split": "val"} for y in (1.0, 0.0)]
+    eval_rows = [{**row, "split": "eval"} for row in val]
+    table = {"val": {1.0: 0.9, 0.0: 0.1}, "eval": {1.0: 0.3, 0.0: 0.2}}
+    monkeypatch.setattr(prm, "predict", lambda _, rows, __: [[table[r["split"]][r["labels"][0]]] for r in rows])
+    assert 0.3 < prm.evaluate_prm(model, val, eval_rows, 8)["eval_first_error_threshold"] < 0.9
+
+
+def test_load_prm_is_in_eval_mode(tmp_path):
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    prm.save_prm(str(tmp_path / "prm"), model)
+    assert not prm.load_prm(str(tmp_path / "prm"), device="cpu").training
+
+
+def test_split_steps_drops_blank_steps():
+    assert prm.split_steps("a\n  \nb\n", "\n") == ["a", "b"]
+
+
+def test_score_steps_keeps_to_the_prms_max_length():
+    """The prompt "start 7\\n" is 9 tokens with BOS and each step 6: in 18 tokens only the first step is scored."""
+    model, _ = prm.build_prm(prm.Args(max_length=18), torch.float32)
+    scores = prm.score_steps(model, ["start 7\n", "start 7\n"], [["7+2=9", "9-3=6"], ["7+1=8"]])
+    assert [len(row) for row in scores] == [1, 1]
+    model.config["max_length"] = 1024
+    assert [len(row) for row in prm.score_steps(model, ["start 7\n"], [["7+2=9", "9-3=6"]])] == [2]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import prm
 from test_prm import REPO_ROOT, builtin_rows, read_metrics, read_summary, write_rows
-from test_prm_reliability import run_main
+from test_prm_reliability import SMALL, max_difference, nan_on_calls, run_main, small_data
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
 TIMING_KEYS = {"step_time_s", "memory_mb"}
@@ -300,3 +300,148 @@ def test_train_returns_the_summary_it_writes(tmp_path):
     assert not different
     # and the values are plain Python numbers, not tensors or numpy scalars (the file holds them as they are)
     assert all(isinstance(value, (bool, int, float, str, type(None))) for value in returned.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wiring that a helper's mutation audit found untested: each test fails on the mutation named in its docstring
+
+
+def test_bf16_training_moves_the_backbone_weights(tmp_path, capsys):
+    """The optimiser steps the fp32 masters; the bf16 weights the model computes with are copied from them after
+    each update (without that copy only the fp32 head would train)."""
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps",
+                          "2", "--dtype", "bfloat16"], capsys)
+    assert code == 0, err
+    prm.seed_everything(1)
+    initial, _ = prm.build_prm(prm.Args(), torch.bfloat16)
+    assert max_difference(load_file(out / "final" / "model.safetensors"), initial.backbone.state_dict()) > 0
+
+
+def test_bf16_resume_matches_an_uninterrupted_run(tmp_path, capsys):
+    """The checkpoint's fp32 masters are restored, not rebuilt from the rounded bf16 weights (4.9e-4 off)."""
+    import shutil
+
+    flags = [*SMALL, "--data-path", small_data(tmp_path), "--total-steps", "3", "--save-every", "1",
+             "--keep-checkpoints", "3", "--dtype", "bfloat16", "--learning-rate", "1e-4"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_main(["--output-dir", str(straight), *flags], capsys)[0] == 0
+    shutil.copytree(straight / "checkpoint-1", resumed / "checkpoint-1")
+    assert run_main(["--output-dir", str(resumed), *flags, "--resume-from", "latest"], capsys)[0] == 0
+    assert max_difference(load_file(straight / "final" / "model.safetensors"),
+                          load_file(resumed / "final" / "model.safetensors")) == 0.0
+
+
+def test_no_pack_rows_is_obeyed(tmp_path, capsys, monkeypatch):
+    packed = []
+    monkeypatch.setattr(prm, "collate", lambda examples, pad_id, device, pack=False: (
+        packed.append(pack), REAL_COLLATE(examples, pad_id, device, pack))[1])
+    code, err = run_main(["--output-dir", str(tmp_path / "out"), *SMALL, "--data-path", small_data(tmp_path),
+                          "--total-steps", "1", "--no-pack-rows"], capsys)
+    assert code == 0, err
+    assert packed and not any(packed)
+
+
+def test_the_logged_accuracy_is_the_batch_accuracy(tmp_path, capsys, monkeypatch):
+    """Each micro-batch's accuracy weighted by its labelled steps, not their plain mean."""
+    calls, real_loss = [], prm.prm_loss
+
+    def spy(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls.append((stats["accuracy"].item() * stats["steps"].item(), stats["steps"].item()))
+        return loss, stats
+
+    monkeypatch.setattr(prm, "prm_loss", spy)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "1",
+                          "--micro-batch-size", "2"], capsys)
+    assert code == 0, err
+    assert len(calls) == 2 and calls[0][1] != calls[1][1]  # two micro-batches with different step counts
+    assert read_metrics(out)[0]["accuracy"] == pytest.approx(sum(a for a, _ in calls) / sum(n for _, n in calls))
+
+
+def test_num_eval_rows_caps_an_eval_file(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "1",
+                          "--eval-data-path", small_data(tmp_path), "--num-eval-rows", "5"], capsys)
+    assert code == 0, err
+    assert read_summary(out)["eval_rows"] == 5
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_skips_the_update(tmp_path, capsys, monkeypatch):
+    real_loss = prm.prm_loss
+
+    def nan_gradient(logits, *args, **kwargs):
+        loss, stats = real_loss(logits, *args, **kwargs)
+        return loss + 0.0 * torch.sqrt(logits.sum() * 0.0), stats  # the same value, a NaN gradient (d sqrt(0))
+
+    monkeypatch.setattr(prm, "prm_loss", nan_gradient)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
+                          "--max-bad-steps", "5"], capsys)
+    assert code == 0, err
+    assert read_summary(out)["skipped_updates"] == 2
+    assert all(torch.isfinite(t).all() for t in load_file(out / "final" / "model.safetensors").values())
+
+
+def test_resume_refuses_another_step_separator(tmp_path, capsys):
+    data, first = small_data(tmp_path), tmp_path / "first"
+    assert run_main(["--output-dir", str(first), *SMALL, "--data-path", data, "--total-steps", "1", "--save-every",
+                     "1"], capsys)[0] == 0
+    code, err = run_main(["--output-dir", str(tmp_path / "out"), *SMALL, "--data-path", data, "--total-steps", "2",
+                          "--resume-from", str(first / "checkpoint-1"), "--step-separator", "\n\n"], capsys)
+    assert code == 2 and "--step-separator" in err
+
+
+def test_micro_batches_make_the_same_update_in_one_process(tmp_path, capsys):
+    """Each micro-batch's loss is divided by the whole batch's labelled steps (a per-micro-batch count: 2e-4 off)."""
+    data, finals, losses = small_data(tmp_path), [], []
+    for micro_batch in ("0", "1"):
+        out = tmp_path / f"micro-{micro_batch}"
+        code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", data, "--total-steps", "1",
+                              "--micro-batch-size", micro_batch, "--learning-rate", "1e-4"], capsys)
+        assert code == 0, err
+        finals.append(load_file(out / "final" / "model.safetensors"))
+        losses.append(read_metrics(out)[0]["loss"])
+    assert max_difference(*finals) < 1e-5 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_no_second_evaluation_at_the_last_step(tmp_path, capsys):
+    """The last step's evaluation is the final one, logged in summary.json, not also in the last metrics row."""
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
+                          "--eval-every", "1", "--eval-data-path", small_data(tmp_path), "--num-eval-rows", "8"],
+                         capsys)
+    assert code == 0, err
+    metrics = read_metrics(out)
+    assert "eval_auroc" in metrics[0] and "eval_auroc" not in metrics[1]
+
+
+def test_resume_keeps_the_skipped_update_count(tmp_path, capsys, monkeypatch):
+    nan_on_calls(monkeypatch, lambda n: n == 1)  # the first run's only step; the resumed run's calls are 2 and on
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--save-every", "1"]
+    assert run_main([*flags, "--total-steps", "1"], capsys)[0] == 0
+    assert run_main([*flags, "--total-steps", "2", "--resume-from", "latest"], capsys)[0] == 0
+    assert read_summary(out)["skipped_updates"] == 1 and read_metrics(out)[1]["skipped_updates"] == 1
+
+
+def test_validation_rows_are_a_seeded_shuffle_not_the_head_of_the_file(tmp_path, capsys, monkeypatch):
+    seen, real_encode = {}, prm.encode_rows
+    monkeypatch.setattr(prm, "encode_rows", lambda tokenizer, rows, separator, length, what="training": (
+        seen.setdefault(what, rows), real_encode(tokenizer, rows, separator, length, what))[1])
+    rows = builtin_rows(40)
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    assert run_main(["--output-dir", str(tmp_path / "out"), *SMALL, "--data-path", str(data), "--total-steps", "1"],
+                    capsys)[0] == 0
+    assert len(seen["validation"]) == 4 and seen["validation"] != rows[:4]
+
+
+def test_score_mode_skips_bad_rows_when_asked(tmp_path, capsys):
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    prm.save_prm(str(tmp_path / "prm"), model)
+    data = write_rows(tmp_path / "rows.jsonl", [{"prompt": "start 1\n", "completions": ["1+1=2"]}, "{"])
+    code, err = run_main(["--prm-path", str(tmp_path / "prm"), "--score-data-path", str(data), "--scores-output",
+                          str(tmp_path / "scores.jsonl"), "--skip-bad-rows"], capsys)
+    assert code == 0, err
+    assert len((tmp_path / "scores.jsonl").read_text().splitlines()) == 1
