@@ -60,6 +60,8 @@ BAD_INPUTS = {
     "model directory without config.json": (lambda tmp: ["--model", str(tmp)], "the directory holds no config.json"),
     "model directory without a tokenizer": (
         lambda tmp: ["--model", model_without_tokenizer(tmp)], "the directory has no tokenizer"),
+    "boolean answer": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": true}\n')],
+                       'rows.jsonl:1: each row needs a field "answer" (a string or a number)'),
     "empty answer": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": " "}\n')],
                      "rows.jsonl:1: the answer is empty"),
     "NaN answer": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1", "answer": 1}\n'

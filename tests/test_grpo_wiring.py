@@ -446,3 +446,174 @@ def test_wandb_that_cannot_start_is_a_warning(tmp_path, capsys, monkeypatch):
     assert ("WARNING: wandb could not start (RuntimeError: no network in this test); continuing without it."
             in err), err[-3000:]
     assert len(read_metrics(out)) == 1 and json.loads((out / "summary.json").read_text())["steps"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wiring that a helper's mutation audit found untested: each test fails on the mutation named in its docstring
+
+
+def write_prompt_rows(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_lora_resume_continues_the_adapter(tmp_path, capsys):
+    """The checkpoint's adapter is loaded, not a fresh one (whose shapes the optimiser state would fit too)."""
+    from safetensors.torch import load_file
+
+    flags = [*QUICK, "--total-steps", "2", "--save-every", "1", "--lora-r", "4", "--learning-rate", "1e-2",
+             "--num-eval-prompts", "0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_main(["--output-dir", str(straight), *flags], capsys)[0] == 0
+    assert run_main(["--output-dir", str(resumed), *flags, "--resume-from", str(straight / "checkpoint-1")],
+                    capsys)[0] == 0
+    a, b = (load_file(out / "final" / "adapter_model.safetensors") for out in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_each_row_is_sampled_and_scored_with_its_own_prompt_and_answer(tmp_path, capsys, monkeypatch):
+    """Rows come in groups of --group-size copies of one prompt (repeat_interleave, not repeat), and each is scored
+    against that prompt's answer."""
+    rows = [{"prompt": f"({n}+7)%10=", "answer": str(n)} for n in range(100, 108)]  # the answer names the prompt
+    seen, real_generate, real_rewards = {}, grpo.generate, grpo.compute_rewards
+
+    def spy_generate(model, prompt_ids, prompt_mask, **kwargs):
+        if kwargs.get("generators") is not None:  # the rollout, not the greedy evaluation
+            seen["ids"] = [[t for t, m in zip(r, mr) if m] for r, mr in zip(prompt_ids.tolist(), prompt_mask.tolist())]
+        return real_generate(model, prompt_ids, prompt_mask, **kwargs)
+
+    def spy_rewards(prompts, completions, answers, *args, **kwargs):
+        seen["prompts"], seen["answers"] = list(prompts), list(answers)
+        return real_rewards(prompts, completions, answers, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "generate", spy_generate)
+    monkeypatch.setattr(grpo, "compute_rewards", spy_rewards)
+    argv = ["--output-dir", str(tmp_path / "run"), "--data-path", write_prompt_rows(tmp_path / "rows.jsonl", rows),
+            "--no-chat-template", "--total-steps", "1", "--prompts-per-step", "4", "--group-size", "4",
+            "--eval-every", "0"]
+    assert run_main(argv, capsys)[0] == 0
+    tokenizer, answer_of = grpo.build_tiny_tokenizer(), {row["prompt"]: row["answer"] for row in rows}
+    assert len(seen["ids"]) == len(seen["prompts"]) == 16
+    for i, (ids, prompt, answer) in enumerate(zip(seen["ids"], seen["prompts"], seen["answers"], strict=True)):
+        assert tokenizer.decode(ids, skip_special_tokens=True) == prompt, i
+        assert answer == answer_of[prompt], i
+        assert prompt == seen["prompts"][i - i % 4], i
+
+
+def test_builtin_task_holds_out_disjoint_prompts():
+    train, held_out = grpo.builtin_task(1, 200)
+    assert len(train) == 700 and len(held_out) == 200
+    assert not {row["prompt"] for row in train} & {row["prompt"] for row in held_out}
+    assert grpo.builtin_task(1, 200) == (train, held_out) and grpo.builtin_task(2, 200)[1] != held_out
+
+
+def test_each_epoch_visits_every_prompt_once_in_a_fresh_order(tmp_path, capsys, monkeypatch):
+    rows = [{"prompt": f"({n}+7)%10=", "answer": "1"} for n in range(100, 108)]
+    steps, real_rewards = [], grpo.compute_rewards
+    monkeypatch.setattr(grpo, "compute_rewards", lambda prompts, *args, **kwargs: steps.append(prompts[::2]) or
+                        real_rewards(prompts, *args, **kwargs))
+    argv = ["--output-dir", str(tmp_path / "run"), "--data-path", write_prompt_rows(tmp_path / "rows.jsonl", rows),
+            "--no-chat-template", "--total-steps", "4", "--prompts-per-step", "4", "--group-size", "2",
+            "--eval-every", "0"]
+    assert run_main(argv, capsys)[0] == 0
+    epochs = [steps[0] + steps[1], steps[2] + steps[3]]
+    assert all(sorted(epoch) == sorted(row["prompt"] for row in rows) for epoch in epochs)
+    assert epochs[0] != epochs[1]
+
+
+def test_prompt_streams_are_keyed_by_prompt_index():
+    """Each prompt's completions draw their own noise: prompts of one step are not sampled with the same noise."""
+    a, b = grpo.prompt_generators(1, 0, [0, 1], "cpu")
+    assert not torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_skips_the_update(tmp_path, capsys, monkeypatch):
+    from safetensors.torch import load_file
+
+    real_loss = grpo.grpo_loss
+
+    def nan_gradient(logp, *args, **kwargs):
+        loss, stats = real_loss(logp, *args, **kwargs)
+        return loss + torch.sqrt(logp.sum() * 0.0), stats  # the same value, a NaN gradient (d sqrt(0))
+
+    monkeypatch.setattr(grpo, "grpo_loss", nan_gradient)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "2", "--num-eval-prompts", "0"], capsys)
+    assert code == 0 and err.count("update skipped") == 2, err
+    assert all(torch.isfinite(w).all() for w in load_file(out / "final" / "model.safetensors").values())
+
+
+def nan_loss_on_calls(monkeypatch, bad_calls: set):
+    """grpo_loss returning NaN on the given (1-based) calls: one call per step with QUICK's single micro-batch."""
+    real_loss, calls = grpo.grpo_loss, {"n": 0}
+
+    def patched(*args, **kwargs):
+        calls["n"] += 1
+        loss, stats = real_loss(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] in bad_calls else loss), stats
+
+    monkeypatch.setattr(grpo, "grpo_loss", patched)
+
+
+def test_max_bad_steps_counts_consecutive_updates_only(tmp_path, capsys, monkeypatch):
+    nan_loss_on_calls(monkeypatch, {1, 3})
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "4", "--max-bad-steps", "2",
+                          "--num-eval-prompts", "0"], capsys)
+    assert code == 0, err
+    assert read_summary(out)["skipped_updates"] == 2
+
+
+def test_resume_keeps_the_skipped_update_count(tmp_path, capsys, monkeypatch):
+    nan_loss_on_calls(monkeypatch, {1})  # the first run's only step; the resumed run's calls are 2 and on
+    flags = ["--output-dir", str(tmp_path / "out"), *QUICK, "--save-every", "1", "--num-eval-prompts", "0"]
+    assert run_main([*flags, "--total-steps", "1"], capsys)[0] == 0
+    assert run_main([*flags, "--total-steps", "2", "--resume-from", "latest"], capsys)[0] == 0
+    assert read_summary(tmp_path / "out")["skipped_updates"] == 1
+
+
+def test_resume_keeps_the_schedules_position(tmp_path, capsys):
+    """The first update after a resume uses the schedule's rate there (cosine), not the base rate."""
+    flags = [*QUICK, "--total-steps", "4", "--save-every", "2", "--lr-schedule", "cosine", "--num-eval-prompts", "0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_main(["--output-dir", str(straight), *flags], capsys)[0] == 0
+    assert run_main(["--output-dir", str(resumed), *flags, "--resume-from", str(straight / "checkpoint-2")],
+                    capsys)[0] == 0
+    rates = [row["learning_rate"] for row in read_metrics(straight)]
+    assert rates[2] < rates[0] and [row["learning_rate"] for row in read_metrics(resumed)] == rates[2:]
+
+
+OTHER_SETTINGS = {"model": "other", "data_path": "x.jsonl", "lora_r": 4, "lora_alpha": 8, "lora_target_modules":
+                  "q_proj", "chat_template": False, "prompts_per_step": 8, "group_size": 8, "num_iterations": 2,
+                  "loss_type": "grpo", "kl_coef": 0.5, "seed": 2, "fsdp": True}  # not read from RESUME_MUST_MATCH
+
+
+@pytest.mark.parametrize("key", OTHER_SETTINGS)
+def test_every_setting_a_resume_must_match_is_checked(key, tmp_path, capsys):
+    other = OTHER_SETTINGS[key]
+    checkpoint = tmp_path / "checkpoint-1"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.pt").write_bytes(b"")
+    (checkpoint / "args.json").write_text(json.dumps({"script": "grpo.py", **vars(grpo.Args(**{key: other}))}))
+    code, err = run_main(["--output-dir", str(tmp_path / "out"), *QUICK, "--resume-from", str(checkpoint)], capsys)
+    assert code == 2 and f"--{key.replace('_', '-')} {other!r} there" in err
+
+
+def test_latest_prefers_a_final_model_newer_than_the_checkpoints(tmp_path):
+    for name in ("checkpoint-2", "final"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.pt").write_bytes(b"")
+        (tmp_path / name / "args.json").write_text(json.dumps({"script": "grpo.py",
+                                                               **vars(grpo.Args(total_steps=3))}))
+    assert grpo.resolve_resume(grpo.Args(resume_from="latest"), str(tmp_path)).endswith("final")
+
+
+def test_num_eval_prompts_caps_an_eval_file(tmp_path, capsys, monkeypatch):
+    rows = [{"prompt": f"({n}+7)%10=", "answer": str((n + 7) % 10)} for n in range(100, 108)]
+    evaluated, real_evaluate = [], grpo.evaluate
+    monkeypatch.setattr(grpo, "evaluate", lambda model, tokenizer, eval_rows, *args: evaluated.append(len(eval_rows))
+                        or real_evaluate(model, tokenizer, eval_rows, *args))
+    argv = ["--output-dir", str(tmp_path / "run"), *QUICK, "--total-steps", "1", "--eval-data-path",
+            write_prompt_rows(tmp_path / "eval.jsonl", rows), "--num-eval-prompts", "3"]
+    assert run_main(argv, capsys)[0] == 0
+    assert evaluated == [3, 3]  # at the start and at the end
