@@ -143,11 +143,13 @@ class Args:
     """weight of the KL penalty to the reference policy; 0 = no reference model at all (on the built-in task the
     pull towards the near-uniform initial policy keeps sampling diverse enough to escape wrong answers)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """per-token KL estimator (k3 = exp(ref-logp) - (ref-logp) - 1, unbiased and always >= 0; its gradient is that
-    of the forward KL(ref || pi), k2's that of KL(pi || ref), as TRL's use_bias_correction_kl: see kl_penalty)"""
+    """per-token KL estimator (k3 = exp(ref-logp) - (ref-logp) - 1, unbiased and always >= 0; averaged over samples,
+    its gradient is that of the forward KL(ref || pi), k2's that of KL(pi || ref), as TRL's use_bias_correction_kl:
+    see kl_penalty)"""
     kl_ratio_weighted: bool = False
-    """multiply the per-token KL by the ratio pi / pi_old (TRL 1.16's use_bias_correction_kl, its default): an
-    importance-weighted estimate of KL(pi || ref) from the sampler's tokens, whose gradient is k2's on-policy"""
+    """multiply each token's KL (k1 or k3) by its ratio pi / pi_old (TRL 1.16's use_bias_correction_kl, its
+    default): an importance-weighted estimate of KL(pi || ref) from the sampler's tokens, whose gradient is k2's
+    on-policy"""
     clip_eps_low: float = 0.2
     """PPO clip: the ratio is clipped below at 1 - clip_eps_low"""
     clip_eps_high: float = 0.2
@@ -157,7 +159,8 @@ class Args:
     importance_sampling: Literal["token", "sequence"] = "token"
     """token: a ratio per token (PPO, GRPO); sequence: GSPO (https://arxiv.org/abs/2507.18071), one ratio per
     completion, the geometric mean of its tokens' ratios, clipped as a whole. It differs from token only off-policy
-    (--num-iterations above 1); the paper pairs it with --loss-type grpo and clip ranges of 3e-4 / 4e-4"""
+    (--num-iterations above 1); the paper pairs it with --loss-type grpo (other loss types weight each completion
+    by its length) and clip ranges of 3e-4 / 4e-4"""
 
     # Optimisation
     learning_rate: float = 3e-4
@@ -296,8 +299,9 @@ def grpo_loss(
     Shapes: logp, old_logp, ref_logp, mask [B, T] (mask 1 on completion tokens, EOS included); advantages [B].
     Per token: l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * KL, with r = exp(logp - old_logp)
     (with `delta`, the unclipped term uses min(r, delta), INTELLECT-2's two-sided bound; with `kl_ratio_weighted`,
-    KL is r * KL, r unclipped, as TRL's use_bias_correction_kl). importance_sampling="sequence" (GSPO) gives every
-    token of sequence i the same r_i = exp(sum_t m_it (logp - old_logp)_it / sum_t m_it). Aggregation, with m the
+    KL is r * KL, r the token's unclipped ratio, as TRL's use_bias_correction_kl). importance_sampling="sequence"
+    (GSPO) gives every token of sequence i the same r_i = exp(sum_t m_it (logp - old_logp)_it / sum_t m_it), so a
+    part must hold whole sequences. Aggregation, with m the
     mask, N the number of sequences    and M the number of completion tokens over the whole batch:
         grpo:          (1/N) sum_i [ sum_t l_it m_it / sum_t m_it ]   (each sequence's token mean; empty rows add 0)
         bnpo, dapo:    sum_it l_it m_it / M                            (token mean over the batch)
@@ -322,12 +326,14 @@ def grpo_loss(
     # masked positions may hold anything (padding after EOS): zero their log-ratios before exp, or an overflow
     # there would turn into inf * 0 = NaN in the loss and its gradient
     log_ratio = torch.where(in_loss, logp - old_logp, 0.0)  # [B, T]
+    token_ratio = torch.exp(log_ratio)  # [B, T]
     if importance_sampling == "sequence":  # GSPO: each sequence's mean log-ratio, on every one of its tokens
-        log_ratio = (log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)).expand_as(
-            log_ratio)  # [B, T]
-    elif importance_sampling != "token":
+        ratio = torch.exp(log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+                          ).expand_as(log_ratio)  # [B, T]
+    elif importance_sampling == "token":
+        ratio = token_ratio
+    else:
         raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
-    ratio = torch.exp(log_ratio)  # [B, T]
     unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     token_loss = -torch.min(unclipped_ratio * adv, clipped_ratio * adv)  # [B, T]
@@ -338,7 +344,7 @@ def grpo_loss(
             raise ValueError("kl_coef != 0 needs ref_logp")
         kl = kl_penalty(torch.where(in_loss, logp, 0.0), torch.where(in_loss, ref_logp, 0.0), kl_estimator)  # [B, T]
         if kl_ratio_weighted:  # tokens were sampled from pi_old: weighting by pi / pi_old estimates KL under pi
-            kl = ratio * kl
+            kl = token_ratio * kl  # each token's own ratio, also under GSPO (TRL there uses the sequence's)
         token_loss = token_loss + kl_coef * kl
 
     if loss_type == "grpo":
@@ -1177,7 +1183,8 @@ def final_step(output_dir: str) -> Optional[int]:
 
 # what a checkpoint must agree on with the run that resumes from it
 RESUME_MUST_MATCH = ("model", "data_path", "lora_r", "lora_alpha", "lora_target_modules", "chat_template",
-                     "prompts_per_step", "group_size", "num_iterations", "loss_type", "kl_coef", "seed", "fsdp")
+                     "prompts_per_step", "group_size", "num_iterations", "loss_type", "importance_sampling", "kl_coef",
+                     "seed", "fsdp")
 
 
 def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
@@ -1246,6 +1253,9 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.delta is None or args.delta > 1 + args.clip_eps_high,
           f"--delta {args.delta} must be above 1 + --clip-eps-high, or the bound clips every positive ratio")
     check(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    check(not args.kl_ratio_weighted or (args.kl_coef > 0 and args.kl_estimator != "k2"), "--kl-ratio-weighted "
+          "weights the KL penalty by the ratio: it needs --kl-coef above 0 and --kl-estimator k1 or k3 (k2 times the "
+          "ratio estimates no KL)")
     check(args.learning_rate >= 0, f"--learning-rate must be >= 0, got {args.learning_rate}")
     check(args.peak_tflops >= 0, f"--peak-tflops must be >= 0 (0 = look up a GPU's bf16 peak), got {args.peak_tflops}")
     check(args.eval_batch_size >= 1 and args.num_eval_prompts >= 0,
@@ -1274,6 +1284,10 @@ def train(args: Args) -> dict:
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(args.device, local_rank)
     validate_args(args, args.world_size, device)
+    if args.importance_sampling == "sequence" and args.loss_type != "grpo":
+        print0(f"warning: --importance-sampling sequence with --loss-type {args.loss_type} weights each completion's "
+               "term by its length; GSPO's objective is a mean over completions (--loss-type grpo)", file=sys.stderr,
+               enabled=rank == 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -1841,8 +1855,8 @@ def train(args: Args) -> dict:
         "interrupted": interrupted,
         "parameters": n_params,
     }
-    # model FLOP/s of this process over the timed steps (see step_flops), against the device's peak on CUDA (MFU)
-    # or, on CPU, against the matmul throughput measured here (the FLOP-floor fraction)
+    # model FLOP/s of this process over the timed steps (see step_flops), against the device's peak (MFU: on CUDA,
+    # or given --peak-tflops) and, on CPU, against the matmul throughput measured here (the FLOP-floor fraction)
     achieved = sum(step_model_flops[timed]) / max(sum(step_times[timed]), 1e-9)
     summary["model_tflops_per_s"] = achieved / 1e12
     if (device.type == "cuda" or args.peak_tflops) and step_times:

@@ -311,7 +311,11 @@ def choose_threshold(step_scores: list, step_labels: list) -> float:
     acc_corr = np.concatenate([[1.0], corr_hits / num_corr])
     total = acc_err + acc_corr
     f1 = np.divide(2 * acc_err * acc_corr, total, out=np.zeros_like(total), where=total > 0)
-    candidates = np.concatenate([[values[0] - 1.0], (values[1:] + values[:-1]) / 2, [values[-1] + 1.0]])
+    # each interval's threshold: its midpoint, or its upper end where the midpoint of two scores one float apart
+    # rounds down to the lower score (which a threshold must exceed to count it as below)
+    midpoints = (values[1:] + values[:-1]) / 2  # [V - 1]
+    midpoints = np.where(midpoints > values[:-1], midpoints, values[1:])
+    candidates = np.concatenate([[values[0] - 1.0], midpoints, [values[-1] + 1.0]])
     return float(candidates[int(np.argmax(f1))])
 
 
@@ -1768,7 +1772,8 @@ def train(args: Args) -> dict:
         "trainable_parameters": n_trainable,
     }
     # model FLOP/s per process over the timed steps (tokens of all processes, shared out), against the device's
-    # peak on CUDA (MFU) or, on CPU, against the matmul throughput measured here (the FLOP-floor fraction)
+    # peak (MFU: on CUDA, or given --peak-tflops) and, on CPU, against the matmul throughput measured here (the
+    # FLOP-floor fraction)
     body_weights = (sum(p.numel() for p in prm.backbone.parameters())
                     - prm.backbone.get_input_embeddings().weight.numel())
     achieved = (step_flops(body_weights, sum(step_tokens[timed]), args.lora_r == 0) / args.world_size

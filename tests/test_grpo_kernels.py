@@ -153,10 +153,11 @@ def naive_grpo_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, eps_low=0
 
 
 def naive_gspo_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, eps_low, eps_high, kl_coef=0.0, delta=None,
-                    max_len=None):
+                    kl_weighted=False, max_len=None):
     """naive_grpo_loss with GSPO's sequence-level ratio: s_i = exp(mean of row i's masked log-ratios) stands for
     every token's ratio. Row i's policy term is n_i copies of P(s_i) (naive_token at log s_i), so its gradient on
-    token t is weight * dP/dlog s_i * m_it (d log s_i / d logp_it = m_it / n_i)."""
+    token t is weight * dP/dlog s_i * m_it (d log s_i / d logp_it = m_it / n_i). The KL stays per token, weighted
+    by the token's own ratio r when kl_weighted (d (r KL) / d logp = r KL + r dKL/dlogp)."""
     logp, old_logp, mask, adv = logp.tolist(), old_logp.tolist(), mask.tolist(), adv.tolist()
     ref_logp = ref_logp.tolist() if ref_logp is not None else None
     n_seq, n_tok = len(logp), sum(map(sum, mask))
@@ -173,8 +174,10 @@ def naive_gspo_loss(logp, old_logp, ref_logp, adv, mask, *, loss_type, eps_low, 
         for t in range(len(logp[i])):
             grad = d_policy
             if kl_coef:
-                total += weight * mask[i][t] * kl_coef * naive_kl(logp[i][t], ref_logp[i][t])
-                grad += kl_coef * naive_kl_grad(logp[i][t], ref_logp[i][t])
+                kl, kl_grad = naive_kl(logp[i][t], ref_logp[i][t]), naive_kl_grad(logp[i][t], ref_logp[i][t])
+                r = math.exp(logp[i][t] - old_logp[i][t]) if kl_weighted else 1.0
+                total += weight * mask[i][t] * kl_coef * r * kl
+                grad += kl_coef * r * (kl_grad + (kl if kl_weighted else 0.0))
             row.append(weight * grad * mask[i][t])
         grads.append(row)
     return total, grads
@@ -255,20 +258,22 @@ def test_grpo_loss_matches_naive(loss_type, kl_coef, estimator, kl_weighted, del
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-@pytest.mark.parametrize("kl_coef,delta", [(0.0, None), (0.1, 1.5)])
-def test_sequence_importance_sampling_matches_naive(loss_type, kl_coef, delta):
-    """GSPO: one ratio per sequence (the geometric mean of its token ratios), clipped as a whole; rows whose ratio
-    is clipped on either side, both signs of A, a fully masked row and a hole (make_batch)."""
+@pytest.mark.parametrize("kl_coef,delta,kl_weighted", [(0.0, None, False), (0.1, 1.5, False), (0.1, 1.5, True)])
+def test_sequence_importance_sampling_matches_naive(loss_type, kl_coef, delta, kl_weighted):
+    """GSPO: one ratio per sequence (the geometric mean of its token ratios), clipped as a whole: rows clipped
+    above (A > 0), below (A < 0) and held at delta (A < 0), rows inside the range, a fully masked row and a hole."""
     logp, old_logp, ref_logp, adv, mask = make_batch(seed=3, spread=0.9)
-    seq_ratio = (((logp - old_logp) * mask).sum(1) / mask.sum(1).clamp(min=1)).exp()
-    assert ((seq_ratio > 1 + EPS_HIGH) | (seq_ratio < 1 - EPS_LOW)).any() and (
-        (seq_ratio < 1 + EPS_HIGH) & (seq_ratio > 1 - EPS_LOW) & (mask.sum(1) > 0)).any(), seq_ratio
+    logp = logp + torch.tensor([0.3, 0, 0, 0, 0, 0, 0.45, 0], dtype=logp.dtype)[:, None]  # rows 0 and 6 upwards
+    seq_ratio = (((logp - old_logp) * mask).sum(1) / mask.sum(1).clamp(min=1)).exp()  # [B]
+    assert ((seq_ratio > 1 + EPS_HIGH) & (adv > 0)).any() and ((seq_ratio < 1 - EPS_LOW) & (adv < 0)).any()
+    assert ((seq_ratio > 1.5) & (adv < 0)).any() and ((seq_ratio < 1 + EPS_HIGH) & (seq_ratio > 1 - EPS_LOW) & (
+        mask.sum(1) > 0)).any(), seq_ratio
     kwargs = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=kl_coef, loss_type=loss_type,
-                  max_completion_length=MAX_LEN, delta=delta)
+                  max_completion_length=MAX_LEN, delta=delta, kl_ratio_weighted=kl_weighted)
     loss, stats, grad = run_kernel(logp, old_logp, ref_logp, adv, mask, importance_sampling="sequence", **kwargs)
     expected, expected_grad = naive_gspo_loss(logp, old_logp, ref_logp, adv, mask, loss_type=loss_type,
                                               eps_low=EPS_LOW, eps_high=EPS_HIGH, kl_coef=kl_coef, delta=delta,
-                                              max_len=MAX_LEN)
+                                              kl_weighted=kl_weighted, max_len=MAX_LEN)
     assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=grad.dtype), rtol=1e-10, atol=1e-12)
     token_ratio = (stats["ratio_mean"] * stats["tokens"]).item()

@@ -74,6 +74,9 @@ BAD_INPUTS = {
                                  "--max-new-tokens must be at least 1"),
     "delta inside the clip range": (lambda tmp: ["--delta", "1.1"], "--delta 1.1 must be above"),
     "negative peak": (lambda tmp: ["--peak-tflops", "-1"], "--peak-tflops must be >= 0"),
+    "ratio-weighted k2": (lambda tmp: ["--kl-ratio-weighted", "--kl-estimator", "k2"],
+                          "--kl-ratio-weighted weights the KL penalty by the ratio: it needs --kl-coef above 0"),
+    "ratio-weighted without KL": (lambda tmp: ["--kl-ratio-weighted", "--kl-coef", "0"], "k2 times the ratio"),
     "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "not a checkpoint written by grpo.py"),
     "not utf-8": (lambda tmp: ["--data-path", latin1_file(tmp)], "rows.jsonl:2: not UTF-8 text"),
     "data path is a directory": (lambda tmp: ["--data-path", str(tmp)], "is a directory; pass a JSONL file"),
@@ -573,8 +576,8 @@ def test_keep_checkpoints_keeps_the_newest(tmp_path):
 
 
 def test_two_processes_make_the_same_update_as_one(tmp_path):
-    """dapo: each process's token sum is divided by the token count of both (Adam's first step hides a gradient
-    scale, so the loss and gradient norm are compared too)."""
+    """dapo: each process's token sum is divided by the token count of both. A wrong normaliser shows in the loss
+    and the gradient norm; the weights after Adam's first step hide a gradient scale."""
     flags = ["--total-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
              "--num-eval-prompts", "8", "--kl-coef", "0.05", "--loss-type", "dapo", "--learning-rate", "1e-3"]
     single = tmp_path / "single"
@@ -588,7 +591,7 @@ def test_two_processes_make_the_same_update_as_one(tmp_path):
 
     one, two = load_file(single / "final" / "model.safetensors"), load_file(double / "final" / "model.safetensors")
     # Adam divides each entry by its own RMS: fp32 rounding in near-zero entries moves a weight by a few percent of
-    # a step (lr 1e-3; measured 1.9e-5), a wrong normaliser by whole steps
+    # a step (lr 1e-3; measured 1.9e-5); a per-process token count moved them by 2e-3
     assert max((one[name] - two[name]).abs().max().item() for name in one) < 1e-4
     # and the update was not a no-op: the weights moved from their (seeded, identical) initial values
     torch.manual_seed(1)

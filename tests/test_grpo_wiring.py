@@ -244,9 +244,11 @@ def test_sequence_importance_sampling_reaches_the_loss(tmp_path, capsys, monkeyp
     calls = []
     spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: calls.append(
         ([a.detach().double() for a in args[:2]], args[4].double(), result[1]["ratio_mean"].item())))
-    metrics = train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "1", "--num-eval-prompts", "0",
-                                                  "--learning-rate", "1e-2", "--num-iterations", "2",
-                                                  "--importance-sampling", "sequence"], capsys)
+    code, err = run_main(["--output-dir", str(tmp_path / "run"), *QUICK, "--total-steps", "1", "--num-eval-prompts",
+                          "0", "--learning-rate", "1e-2", "--num-iterations", "2", "--importance-sampling", "sequence"],
+                         capsys)
+    assert code == 0 and "warning: --importance-sampling sequence with --loss-type dapo weights each" in err, err
+    metrics = read_metrics(tmp_path / "run")
     (logp, old_logp), mask, ratio_mean = calls[-1]
     log_ratio = (logp - old_logp) * mask
     per_sequence = (log_ratio.sum(1) / mask.sum(1).clamp(min=1)).exp()  # [B]
@@ -585,7 +587,8 @@ def test_resume_keeps_the_schedules_position(tmp_path, capsys):
 
 OTHER_SETTINGS = {"model": "other", "data_path": "x.jsonl", "lora_r": 4, "lora_alpha": 8, "lora_target_modules":
                   "q_proj", "chat_template": False, "prompts_per_step": 8, "group_size": 8, "num_iterations": 2,
-                  "loss_type": "grpo", "kl_coef": 0.5, "seed": 2, "fsdp": True}  # not read from RESUME_MUST_MATCH
+                  "loss_type": "grpo", "importance_sampling": "sequence", "kl_coef": 0.5, "seed": 2,
+                  "fsdp": True}  # not read from RESUME_MUST_MATCH
 
 
 @pytest.mark.parametrize("key", OTHER_SETTINGS)

@@ -382,6 +382,11 @@ def test_choose_threshold_is_exact_against_brute_force():
     many_labels = [[1.0] * int(k) + [0.0] * (8 - int(k)) for k in rng.integers(0, 9, 300)]
     assert prm.choose_threshold(many_scores, many_labels) == best_threshold_by_brute_force(many_scores, many_labels)
     assert prm.choose_threshold([[0.3, float("nan")], [0.9]], [[1, 0], [1]]) == 0.5
+    # scores one float apart: their midpoint rounds to the lower one, which would flag neither step
+    low = 0.1
+    high = float(np.nextafter(low, 1.0))
+    scores, labels = [[0.9, low], [0.9, high]], [[1, 0], [1, 1]]
+    assert prm.first_error_f1(scores, labels, prm.choose_threshold(scores, labels))[0] == 1.0
 
 
 def test_aggregate_scores_and_position_baseline():
@@ -847,14 +852,14 @@ def test_attention_dropout_kept_as_a_float_on_the_module_is_off(tmp_path):
 
 
 def test_the_threshold_is_chosen_on_validation_rows_only(monkeypatch):
-    """Validation scores .9 / .1 separate anywhere in (.1, .9); the eval rows' (.3 / .2) would pull the threshold
-    to .25, an optimistic F1 measured on the rows it was tuned on."""
+    """Validation scores .9 / .7 put the threshold at .8 (not the 0.5 used without validation rows); the eval
+    rows' (.3 / .2) would pull it to .25, an optimistic F1 measured on the rows it was tuned on."""
     model, _ = prm.build_prm(prm.Args(), torch.float32)
     val = [{"input_ids": [1], "positions": [0], "labels": [y], "all_labels": [y], "split": "val"} for y in (1.0, 0.0)]
     eval_rows = [{**row, "split": "eval"} for row in val]
-    table = {"val": {1.0: 0.9, 0.0: 0.1}, "eval": {1.0: 0.3, 0.0: 0.2}}
+    table = {"val": {1.0: 0.9, 0.0: 0.7}, "eval": {1.0: 0.3, 0.0: 0.2}}
     monkeypatch.setattr(prm, "predict", lambda _, rows, __: [[table[r["split"]][r["labels"][0]]] for r in rows])
-    assert 0.3 < prm.evaluate_prm(model, val, eval_rows, 8)["eval_first_error_threshold"] < 0.9
+    assert prm.evaluate_prm(model, val, eval_rows, 8)["eval_first_error_threshold"] == pytest.approx(0.8)
 
 
 def test_load_prm_is_in_eval_mode(tmp_path):
