@@ -7,6 +7,7 @@ on a small data file, 1-10 steps of the tiny model."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -445,3 +446,20 @@ def test_score_mode_skips_bad_rows_when_asked(tmp_path, capsys):
                           str(tmp_path / "scores.jsonl"), "--skip-bad-rows"], capsys)
     assert code == 0, err
     assert len((tmp_path / "scores.jsonl").read_text().splitlines()) == 1
+
+
+OTHER_SETTINGS = {"model": "other", "data_path": "x.jsonl", "num_val_rows": 7, "step_separator": "\n\n",
+                  "max_length": 64, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": "q_proj", "loss_kind": "mse",
+                  "batch_size": 3, "seed": 2, "fsdp": True}  # listed here, not read from RESUME_MUST_MATCH
+
+
+@pytest.mark.parametrize("key", OTHER_SETTINGS)
+def test_every_setting_a_resume_must_match_is_checked(key, tmp_path):
+    other = OTHER_SETTINGS[key]
+    assert getattr(prm.Args(), key) != other
+    checkpoint = tmp_path / "checkpoint-1"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.pt").write_bytes(b"")
+    (checkpoint / "args.json").write_text(json.dumps({"script": "prm.py", **vars(prm.Args(**{key: other}))}))
+    with pytest.raises(prm.UserError, match=re.escape(f"--{key.replace('_', '-')} {other!r} there")):
+        prm.resolve_resume(prm.Args(resume_from=str(checkpoint)), str(tmp_path))
