@@ -1567,6 +1567,8 @@ def train(args: Args) -> dict:
 
     # SIGINT/SIGTERM only raise a flag; the loop checks it after each step, checkpoints and stops
     stop_signal = []
+    # the command a stopped run's resume hint names
+    rerun = f"{'torchrun <its flags>' if distributed else 'python'} grpo.py <the same flags> --output-dir {output_dir}"
     previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
                          for sig in (signal.SIGINT, signal.SIGTERM)}
     try:  # whatever ends the loop, the previous handlers come back
@@ -1805,10 +1807,8 @@ def train(args: Args) -> dict:
             if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
                 path = checkpoint(step + 1)
             if interrupted:
-                print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
-                       f"{'torchrun <its flags> ' if distributed else 'python '}grpo.py <the same flags> --output-dir "
-                       f"{output_dir} --resume-from {path}",
-                       enabled=is_main)
+                print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: {rerun} "
+                       f"--resume-from {path}", enabled=is_main)
                 break
         total_time = time.perf_counter() - run_start
         if not interrupted:
@@ -1825,9 +1825,8 @@ def train(args: Args) -> dict:
     if distributed:  # every process takes the same way (under FSDP every one evaluates)
         dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
     if not interrupted and stopped.item() > 0:
-        print0(f"stopped by a signal after saving the final model; for the final evaluation and summary: "
-               f"{'torchrun <its flags> ' if distributed else 'python '}grpo.py <the same flags> --output-dir "
-               f"{output_dir} --resume-from latest", enabled=is_main)
+        print0(f"stopped by a signal after saving the final model; for the final evaluation and summary: {rerun} "
+               f"--resume-from latest", enabled=is_main)
         logger.close()
         if distributed:
             dist.destroy_process_group()

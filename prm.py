@@ -1609,6 +1609,8 @@ def train(args: Args) -> dict:
 
     # a signal only sets a flag: the current step finishes, then every process stops after the same step
     stop_signal = []
+    # the command a stopped run's resume hint names
+    rerun = f"{'torchrun <its flags>' if distributed else 'python'} prm.py <the same flags> --output-dir {output_dir}"
     previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
                          for sig in (signal.SIGINT, signal.SIGTERM)}
     interrupted = False
@@ -1708,10 +1710,8 @@ def train(args: Args) -> dict:
             if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
                 path = checkpoint(step + 1)
             if interrupted:
-                print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: "
-                       f"{'torchrun <its flags> ' if distributed else 'python '}prm.py <the same flags> --output-dir "
-                       f"{output_dir} --resume-from {path}",
-                       enabled=is_main)
+                print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: {rerun} "
+                       f"--resume-from {path}", enabled=is_main)
                 break
         total_time = time.perf_counter() - run_start
         if evaluates and not interrupted:
@@ -1735,8 +1735,7 @@ def train(args: Args) -> dict:
     if not interrupted and stopped.item() > 0:  # (a final PRM holds no trainer state: a checkpoint beside it does)
         path = checkpoint(start_step + len(step_times))
         print0(f"stopped by a signal after saving the final model; for the final evaluation, scores and summary: "
-               f"{'torchrun <its flags> ' if distributed else 'python '}prm.py <the same flags> --output-dir "
-               f"{output_dir} --resume-from {path}", enabled=is_main)
+               f"{rerun} --resume-from {path}", enabled=is_main)
         logger.close()
         if distributed:
             dist.destroy_process_group()
