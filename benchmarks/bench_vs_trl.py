@@ -56,6 +56,7 @@ Run (from the repository root; about 13 min on an idle 2-core CPU with the defau
     python benchmarks/bench_vs_trl.py
     python benchmarks/bench_vs_trl.py --configs grpo_small --reps 5
     python benchmarks/bench_vs_trl.py --reps 1 --grpo-steps 5 --prm-steps 5 --configs grpo_tiny,prm_tiny  # smoke
+    python benchmarks/bench_vs_trl.py --configs grpo_tiny,grpo_small --grpo-flags=--compile-decoding
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ import json
 import os
 import random
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -285,7 +287,8 @@ def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
                 "--learning-rate", "1e-3", "--warmup-steps", "0", "--total-steps", str(a.grpo_steps),
                 "--micro-batch-size", "0", "--lora-r", "0", "--dtype", "float32", "--device", "cpu",
                 "--no-gradient-checkpointing", "--format-reward-weight", "0", "--eval-every", "0",
-                "--num-eval-prompts", "0", "--seed", "0", "--overwrite", "--output-dir", str(out_dir)]
+                "--num-eval-prompts", "0", "--seed", "0", "--overwrite", "--output-dir", str(out_dir),
+                *shlex.split(a.grpo_flags)]
     cmd = [a.ours_python, os.path.join(a.main_dir, "prm.py"), "--model", cfg["model"],
            "--batch-size", "8", "--micro-batch-size", "0", "--total-steps", str(a.prm_steps),
            "--learning-rate", "1e-3", "--warmup-steps", "0", "--dtype", "float32", "--device", "cpu",
@@ -414,6 +417,8 @@ def report(results: dict, a, notes: list[str]) -> str:
     lines.append("s/step: mean wall time per optimizer step, first step excluded, median over repetitions. TRL/ours: "
                  "median of the per-pair ratios (>1 = ours faster), [range over pairs]. RSS: process peak "
                  "(ru_maxrss), median. other cores: max over all runs of the CPU other processes used meanwhile.")
+    if a.grpo_flags:
+        lines.append(f"grpo.py ran with {a.grpo_flags} (TRL without an equivalent)")
 
     worst = max((x.get("other_cores") or 0.0 for r in results.values() for p in r["pairs"]
                  for x in (p.get("ours", {}), p.get("trl", {}))), default=0.0)
@@ -498,6 +503,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="alternated repetitions (pairs) per configuration")
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--prm-steps", type=int, default=50)
+    ap.add_argument("--grpo-flags", default="", help="more flags for grpo.py only (not TRL), in one string, e.g. "
+                    "--grpo-flags=--compile-decoding")
     ap.add_argument("--prm-data", choices=["harness", "builtin"], default="harness",
                     help="PRM rows: the harness's synthetic rows as JSONL (same text both sides), or prm.py's "
                          "built-in task")

@@ -4,7 +4,8 @@ Builds a Qwen2.5-0.5B-shaped model from a config with random weights (494M param
 vocabulary, tied embeddings) and a character tokenizer, then runs, in bf16:
   1. grpo.py: 5 steps, 8 prompts x 8 completions, 256 new tokens, KL to a reference model (a frozen copy);
   2. prm.py: 20 steps, batch 16, rows of 1,021 tokens with 10 labelled steps (--max-length 1024);
-  3. both again for a few steps with --fsdp under `torchrun --nproc_per_node 1`: the sharded code path (mixed
+  3. grpo.py again with --compile-decoding (its first step compiles: it shows in the per-step times);
+  4. both again for a few steps with --fsdp under `torchrun --nproc_per_node 1`: the sharded code path (mixed
      precision, gathered checkpoints, generation through FSDP) on CUDA and NCCL. Always last, whatever the order
      --only gives, so that a --deadline cuts these, not the main figures (a second call with --only can run them);
 and prints each run's per-step times (from its metrics.jsonl) and their mean (first step excluded), generated and
@@ -57,7 +58,7 @@ SIZES = {
 }
 # (grpo steps, prompts per step, group size, new tokens), (prm steps, batch size, max length), fsdp steps
 WORKLOADS = {"qwen0.5b": ((5, 8, 8, 256), (20, 16, 1024), 3), "tiny": ((3, 4, 4, 16), (4, 4, 128), 2)}
-RUN_NAMES = ("grpo", "prm", "grpo-fsdp", "prm-fsdp")
+RUN_NAMES = ("grpo", "prm", "grpo-compiled", "grpo-fsdp", "prm-fsdp")
 MAX_LOG_FILES = 6  # OUT holds the .md, the .json and at most this many logs: 8 files come back from the device
 LOG_LIMIT = 4 << 20  # a longer log keeps its first MiB and its last 3 MiB (16 MiB come back per file)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -441,6 +442,7 @@ def main() -> None:
     commands = {
         "grpo": [python, "grpo.py", *grpo_flags],
         "prm": [python, "prm.py", *prm_flags],
+        "grpo-compiled": [python, "grpo.py", *grpo_flags, "--compile-decoding"],
         "grpo-fsdp": [*fsdp["grpo"], *grpo_flags, "--total-steps", str(fsdp_steps), "--fsdp"],
         "prm-fsdp": [*fsdp["prm"], *prm_flags, "--total-steps", str(fsdp_steps), "--fsdp"],
     }

@@ -68,8 +68,8 @@ def test_gpu_check_runs_every_job_on_a_small_size(tmp_path):
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     results = {r["name"]: r for r in report["results"]}
-    assert set(results) == {"grpo", "prm", "grpo-fsdp", "prm-fsdp"} and report["pending"] == []
-    assert results["grpo"]["steps"] == 3 and results["prm"]["steps"] == 4
+    assert set(results) == {"grpo", "prm", "grpo-compiled", "grpo-fsdp", "prm-fsdp"} and report["pending"] == []
+    assert results["grpo"]["steps"] == results["grpo-compiled"]["steps"] == 3 and results["prm"]["steps"] == 4
     assert results["grpo-fsdp"]["steps"] == results["prm-fsdp"]["steps"] == 2
     for r in results.values():
         assert r["step_time_s_mean"] > 0 and r["peak_memory_mb"] > 0

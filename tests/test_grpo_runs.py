@@ -155,6 +155,32 @@ def test_shared_prompts_give_the_same_run(tmp_path):
             assert json.loads((shared / "final" / "config.json").read_text())["use_cache"] is True
 
 
+@pytest.mark.parametrize("name, flags", [
+    ("full", ["--kl-coef", "0.05", "--eval-every", "2", "--learning-rate", "1e-3"]),  # greedy evaluation too
+    ("lora", ["--lora-r", "4", "--learning-rate", "1e-2", "--gradient-checkpointing"]),
+])
+def test_compiled_decoding_gives_the_same_run(name, flags, tmp_path):
+    """--compile-decoding: the same samples, rewards, losses and weights as the eager run."""
+    from safetensors.torch import load_file
+
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    run_grpo(eager, *QUICK, *flags)
+    process = run_grpo(compiled, *QUICK, *flags, "--compile-decoding", env={"TORCH_LOGS": "guards,recompiles"})
+    for a, b in zip(read_metrics(eager), read_metrics(compiled), strict=True):
+        assert b["reward"] == a["reward"] and b["completion_length"] == a["completion_length"], name
+        for key, value in a.items():
+            if not key.endswith("time_s") and not key.startswith("memory"):
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (name, key)
+    if name == "full":
+        assert read_summary(compiled)["eval_accuracy_end"] == read_summary(eager)["eval_accuracy_end"]
+    weights = [load_file(next((out / "final").glob("*.safetensors"))) for out in (eager, compiled)]
+    assert weights[0].keys() == weights[1].keys()  # saved under the module's own names, not a compiled wrapper's
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < 1e-5
+    # compiled (torch's log shows each graph's guards), once: one graph for every step, sampled or greedy, whatever
+    # the cache's length
+    assert "[__guards]" in process.stderr and "[__recompiles]" not in process.stderr
+
+
 @pytest.mark.parametrize("flags, reference_plans, training_plans", [
     # 4 prompts of 12 positions (with BOS) x group 4: one micro-batch of 16 rows skips 12 x 12 = 144 >= 128 positions
     (["--share-prompts", "auto"], "shared", "shared"),
