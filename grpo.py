@@ -210,8 +210,8 @@ class Args:
     compile_decoding: bool = False
     """compile the one-token forward pass that sampling repeats (rollout and evaluation) with torch.compile: it is
     per-call overhead where the model is small against the batch. The first step pays for it (17 s cold, 5-10 s with
-    inductor's cache warm, on 2 CPU cores); measured there, the tiny model's rollout is then 1.4x faster, the
-    20.5M-parameter model's 10% slower (see README, Benchmarks)"""
+    inductor's cache warm, on 2 CPU cores); measured there, the tiny model's rollout is then 1.3-1.9x faster, the
+    20.5M-parameter model's about as fast (see README, "Compiled decoding")"""
     fsdp: bool = False
     """shard weights, gradients and optimiser state over the processes with FSDP2 (CUDA only; for models that do
     not fit one GPU): weights stay fp32, computed in --dtype"""
