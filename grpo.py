@@ -211,7 +211,7 @@ class Args:
     """compile the one-token forward pass that sampling repeats (rollout and evaluation) with torch.compile: it is
     per-call overhead where the model is small against the batch. The first step pays for it (17 s cold, 5-10 s with
     inductor's cache warm, on 2 CPU cores); measured there, the tiny model's rollout is then 1.3-1.9x faster, the
-    20.5M-parameter model's about as fast (see README, "Compiled decoding")"""
+    20.5M-parameter model's about as fast (see README, "Compiled decoding"). Not with --fsdp"""
     fsdp: bool = False
     """shard weights, gradients and optimiser state over the processes with FSDP2 (CUDA only; for models that do
     not fit one GPU): weights stay fp32, computed in --dtype"""
@@ -703,7 +703,7 @@ def prompt_generators(seed: int, step: int, prompt_indices: list[int], device) -
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pad_id: int, temperature=1.0,
              top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1, stop_together=False,
-             decode_step=None):
+             decode_forward=None):
     """Complete left-padded prompts with a KV cache. prompt_ids, prompt_mask [B, P]; eos_ids: the id, or the
     list of ids (see stop_token_ids), any of which ends a completion.
 
@@ -716,11 +716,11 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     which token is drawn). With group_size > 1, rows come in groups of identical prompts: each prompt is encoded
     once and its KV cache copied to its group (a G-fold cheaper prefill, which dominates for long prompts).
     stop_together: decode until every process's rows have ended (under FSDP each forward is a collective).
-    decode_step: what to call for the one-token passes instead of model (model compiled: --compile-decoding).
+    decode_forward: what to call for the one-token passes instead of model (model compiled: --compile-decoding).
     """
     from transformers import DynamicCache
 
-    decode_step = model if decode_step is None else decode_step
+    decode_forward = model if decode_forward is None else decode_forward
     batch = prompt_ids.shape[0]
     greedy = generators is None
     eos_ids = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), device=prompt_ids.device)
@@ -763,7 +763,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
         if all_finished or position == max_new_tokens - 1:  # the last token is never fed back
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
-        logits = decode_step(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
+        logits = decode_forward(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
                              position_ids=next_position, cache=cache, use_cache=True).logits[:, -1]
         next_position = next_position + 1
     completion_ids = torch.stack(tokens, dim=1)  # [B, T]
@@ -1091,7 +1091,7 @@ def step_flops(body: int, head: int, *, unique_prompt_tokens: int, reference_pro
 
 @torch.no_grad()
 def evaluate(model, tokenizer, rows, args: Args, device, eos_ids: list[int],
-             decode_step=None) -> tuple[float, list[str]]:
+             decode_forward=None) -> tuple[float, list[str]]:
     """Greedy accuracy (answer reward == 1) on held-out rows, and the first few completions to look at."""
     if not rows:
         return float("nan"), []
@@ -1104,7 +1104,7 @@ def evaluate(model, tokenizer, rows, args: Args, device, eos_ids: list[int],
                                             args.max_prompt_length), tokenizer.pad_token_id, device)
         completion_ids, completion_mask, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
                                                       eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                                                      stop_together=args.fsdp, decode_step=decode_step)
+                                                      stop_together=args.fsdp, decode_forward=decode_forward)
         texts = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
         correct += sum(answer_reward(t, r["answer"]) for t, r in zip(texts, batch))
         samples += [f"{r['prompt']!r} -> {t!r}" for t, r in zip(texts, batch)][:3 - len(samples)]
@@ -1281,6 +1281,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
     check(not args.fsdp or device.type in FSDP_DEVICE_TYPES, "--fsdp needs CUDA: it shards the model over GPUs "
           "(FSDP2 over NCCL); on CPU drop the flag (torchrun without it keeps a whole copy on every process)")
+    check(not (args.fsdp and args.compile_decoding), "--compile-decoding with --fsdp: torch.compile breaks its graph "
+          "at FSDP's hooks and recompiles per layer, and gained nothing measured; drop one of the two")
     check(not args.fsdp or "WORLD_SIZE" in os.environ, "--fsdp shards the model over processes: launch with "
           "torchrun --nproc_per_node N (N = 1 runs the same code unsharded), or drop the flag")
 
@@ -1383,7 +1385,14 @@ def train(args: Args) -> dict:
     # --compile-decoding: a compiled view of the same module (its weights, train/eval mode and adapters); dynamic,
     # since the KV cache grows by one position a call. The other passes stay eager: compiled too, they saved 2-3 ms
     # more of the tiny model's 17 ms step, for 90 s of compiling, recompiled at each change of arguments or strides
-    decode_step = torch.compile(model, dynamic=True) if args.compile_decoding else model
+    decode_forward = model
+    if args.compile_decoding:
+        from torch._inductor import config as inductor_config
+
+        # round each fused intermediate to bf16 as eager does: kept in fp32, the sampler's bf16 log-probs left the
+        # eager training pass's (logp_gap_max 0 -> 0.003-0.008 on CPU), a mismatch the ratio would then carry
+        inductor_config.emulate_precision_casts = True
+        decode_forward = torch.compile(model, dynamic=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     # bf16 weights round away updates smaller than ~1/256 of the weight; the optimiser steps fp32 master
     # copies and writes them back (LoRA adapters are already fp32, peft's default)
@@ -1558,7 +1567,7 @@ def train(args: Args) -> dict:
         evaluates the same rows, since every forward pass is a collective."""
         if not is_main and not args.fsdp:
             return float("nan")
-        accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device, eos_ids, decode_step)
+        accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device, eos_ids, decode_forward=decode_forward)
         if not is_main:
             return float("nan")
         print0(f"eval accuracy at step {step}: {accuracy:.3f}" + (f"  (e.g. {'; '.join(samples)})" if samples else ""))
@@ -1599,7 +1608,7 @@ def train(args: Args) -> dict:
                 model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids,
                 pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 generators=prompt_generators(args.seed, step, prompt_indices, device), group_size=args.group_size,
-                stop_together=args.fsdp, decode_step=decode_step)
+                stop_together=args.fsdp, decode_forward=decode_forward)
             model.train()
             truncated = ~ended_by_eos(completion_ids, completion_mask, eos_ids)  # [B]: no EOS within max_new_tokens
             t_generated = sync_clock()

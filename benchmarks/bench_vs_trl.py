@@ -313,7 +313,8 @@ def trl_cmd(cfg: dict, a, out_json: Path, out_dir: Path) -> list[str]:
                        LONG_PROMPT_PREFIX, "--"]
         return harness + ["--model", cfg["model"],
                 "--steps", str(a.grpo_steps), "--num-generations", "8", "--per-device-train-batch-size", "16",
-                "--gradient-accumulation-steps", "1", "--num-iterations", "1", "--max-completion-length", str(a.max_new_tokens),
+                "--gradient-accumulation-steps", "1", "--num-iterations", "1",
+                "--max-completion-length", str(a.max_new_tokens),
                 "--max-prompt-length", str(cfg["max_prompt_length"]), "--beta", "0.05", "--learning-rate", "1e-3", "--temperature", "1.0",
                 "--loss-type", "dapo", "--scale-rewards", "group", "--no-activation-checkpointing", "--seed", "0",
                 "--no-eval-greedy", "--output-dir", str(out_dir), "--out-json", str(out_json)]
@@ -368,7 +369,8 @@ def run_trl(cfg, a, rep_dir: Path) -> dict:
                 "steps_run": s.get("steps_run"), "trl_version": s.get("versions", {}).get("trl"),
                 "other_cores_train": s.get("other_procs_cores_during_train")})
     if cfg["kind"] == "grpo":  # TRL logs each step's mean completion length (its summary does not keep it)
-        lengths = [float(x) for x in re.findall(r"'completions/mean_length': '?([0-9.]+)", Path(res["log"]).read_text())]
+        logged = re.findall(r"'completions/mean_length': '?([0-9.eE+-]+)", Path(res["log"]).read_text())
+        lengths = [float(x) for x in logged]
         if lengths[1:]:
             res["completion_length"] = sum(lengths[1:]) / len(lengths[1:])
     shutil.rmtree(rep_dir / "trl_out", ignore_errors=True)
@@ -409,7 +411,7 @@ def report(results: dict, a, notes: list[str]) -> str:
         other = max((x.get("other_cores", 0.0) for p in pairs for x in (p["ours"], p["trl"])), default=None)
         tok_o = med([p["ours"].get("tokens_per_step") for p in pairs])
         tok_t = r.get("trl_tokens_per_step")
-        if r["cfg"]["kind"] == "grpo":  # 16 sequences of (prompt + completion); completions capped at 8 tokens
+        if r["cfg"]["kind"] == "grpo":  # 16 sequences of (prompt + completion); completions capped at --max-new-tokens
             info = r.get("model_info")
             clen = med([p["ours"].get("completion_length") for p in pairs])
             if info and clen is not None:
@@ -423,7 +425,7 @@ def report(results: dict, a, notes: list[str]) -> str:
     lines.append("s/step: mean wall time per optimizer step, first step excluded, median over repetitions. TRL/ours: "
                  "median of the per-pair ratios (>1 = ours faster), [range over pairs]. RSS: process peak "
                  "(ru_maxrss), median. other cores: max over all runs of the CPU other processes used meanwhile.")
-    if a.grpo_flags:
+    if a.grpo_flags and any(r["cfg"]["kind"] == "grpo" for r in results.values()):
         lines.append(f"grpo.py ran with {a.grpo_flags} (TRL without an equivalent)")
 
     worst = max((x.get("other_cores") or 0.0 for r in results.values() for p in r["pairs"]

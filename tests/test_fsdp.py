@@ -199,6 +199,16 @@ def test_fsdp_is_refused_on_cpu_and_in_one_process(module, script, tmp_path, cap
     assert torch.distributed.is_initialized() is False
 
 
+def test_compiled_decoding_is_refused_with_fsdp(tmp_path, capsys, monkeypatch):
+    """Measured on 2 CPU processes: graph breaks at FSDP's hooks, recompiles per layer, no faster rollout."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(grpo, "FSDP_DEVICE_TYPES", ("cuda", "cpu"))
+    code, err = run_script_main(grpo.main, "grpo.py", ["--fsdp", "--compile-decoding", "--output-dir", str(out)],
+                                capsys)
+    assert code == 2 and err.startswith("error: --compile-decoding with --fsdp") and err.count("\n") == 1
+    assert not out.exists()
+
+
 def test_a_checkpoint_from_before_the_fsdp_flag_resumes(tmp_path, capsys):
     """Checkpoints written before --fsdp existed have no such key in args.json: it counts as the default (off)."""
     from test_grpo_runs import QUICK
