@@ -209,8 +209,8 @@ class Args:
     """recompute activations in the backward pass (less memory, about 30% more compute)"""
     compile_decoding: bool = False
     """compile the one-token forward pass that sampling repeats (rollout and evaluation) with torch.compile: it is
-    per-call overhead where the model is small against the batch. The first step pays for it (17 s cold, 5-10 s with
-    inductor's cache warm, on 2 CPU cores); measured there, the tiny model's rollout is then 1.3-1.9x faster, the
+    per-call overhead where the model is small against the batch. The first call pays for it (17 s cold, 5-10 s
+    with inductor's cache warm, on 2 CPU cores); measured there, the tiny model's rollout is then 1.3-1.9x faster, the
     20.5M-parameter model's about as fast (see README, "Compiled decoding"). Not with --fsdp"""
     fsdp: bool = False
     """shard weights, gradients and optimiser state over the processes with FSDP2 (CUDA only; for models that do
@@ -1390,7 +1390,7 @@ def train(args: Args) -> dict:
         from torch._inductor import config as inductor_config
 
         # round each fused intermediate to bf16 as eager does: kept in fp32, the sampler's bf16 log-probs left the
-        # eager training pass's (logp_gap_max 0 -> 0.003-0.008 on CPU), a mismatch the ratio would then carry
+        # eager training pass's (2 new tokens: logp_gap_max 0 -> 0.003-0.008), a mismatch the ratio would carry
         inductor_config.emulate_precision_casts = True
         decode_forward = torch.compile(model, dynamic=True)
     trainable = [p for p in model.parameters() if p.requires_grad]

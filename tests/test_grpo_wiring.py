@@ -614,8 +614,8 @@ def test_latest_prefers_a_final_model_newer_than_the_checkpoints(tmp_path):
 def test_num_eval_prompts_caps_an_eval_file(tmp_path, capsys, monkeypatch):
     rows = [{"prompt": f"({n}+7)%10=", "answer": str((n + 7) % 10)} for n in range(100, 108)]
     evaluated, real_evaluate = [], grpo.evaluate
-    monkeypatch.setattr(grpo, "evaluate", lambda model, tokenizer, eval_rows, *args: evaluated.append(len(eval_rows))
-                        or real_evaluate(model, tokenizer, eval_rows, *args))
+    monkeypatch.setattr(grpo, "evaluate", lambda model, tokenizer, eval_rows, *args, **kwargs: evaluated.append(
+        len(eval_rows)) or real_evaluate(model, tokenizer, eval_rows, *args, **kwargs))
     argv = ["--output-dir", str(tmp_path / "run"), *QUICK, "--total-steps", "1", "--eval-data-path",
             write_prompt_rows(tmp_path / "eval.jsonl", rows), "--num-eval-prompts", "3"]
     assert run_main(argv, capsys)[0] == 0
