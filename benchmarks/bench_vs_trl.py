@@ -284,8 +284,7 @@ def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
                 "--data-path", data[cfg["prompts"]], "--no-chat-template", "--max-prompt-length",
                 str(cfg["max_prompt_length"]),
                 "--prompts-per-step", "2", "--group-size", "8", "--max-new-tokens", str(a.max_new_tokens),
-                "--temperature", "1.0",
-                "--kl-coef", "0.05", "--loss-type", "dapo", "--scale-rewards", "group", "--num-iterations", "1",
+                "--temperature", "1.0", "--kl-coef", "0.05", "--loss-type", "dapo", "--scale-rewards", "group", "--num-iterations", "1",
                 "--learning-rate", "1e-3", "--warmup-steps", "0", "--total-steps", str(a.grpo_steps),
                 "--micro-batch-size", "0", "--lora-r", "0", "--dtype", "float32", "--device", "cpu",
                 "--no-gradient-checkpointing", "--format-reward-weight", "0", "--eval-every", "0",
@@ -411,7 +410,7 @@ def report(results: dict, a, notes: list[str]) -> str:
         other = max((x.get("other_cores", 0.0) for p in pairs for x in (p["ours"], p["trl"])), default=None)
         tok_o = med([p["ours"].get("tokens_per_step") for p in pairs])
         tok_t = r.get("trl_tokens_per_step")
-        if r["cfg"]["kind"] == "grpo":  # 16 sequences of (prompt + completion); completions capped at --max-new-tokens
+        if r["cfg"]["kind"] == "grpo":  # 16 sequences of (prompt + completion), at most --max-new-tokens each
             info = r.get("model_info")
             clen = med([p["ours"].get("completion_length") for p in pairs])
             if info and clen is not None:
@@ -441,6 +440,7 @@ def report(results: dict, a, notes: list[str]) -> str:
                     lines.append(f"{name} rep {p['rep']} {side} FAILED: {p[side]['error']}\n{log_tail(p[side]['log'])}")
         if r["cfg"]["kind"] == "grpo":
             o = [p["ours"] for p in pairs if "error" not in p["ours"]]
+            trl_length = med([p["trl"].get("completion_length") for p in pairs if "error" not in p["trl"]])
             if o:
                 lines.append(
                     f"{name} ours per step (means over timed steps, median over reps): generation "
@@ -450,7 +450,7 @@ def report(results: dict, a, notes: list[str]) -> str:
                     f"{fmt(med([x.get('completion_length') for x in o]), '.2f')}; generated tokens/s (rollout) "
                     f"{fmt(med([x.get('generated_tokens_per_s') for x in o]), '.0f')}; median single step "
                     f"{fmt(med([x.get('step_s_median_of_steps') for x in o]))} s; TRL's completion length "
-                    f"{fmt(med([p['trl'].get('completion_length') for p in pairs if 'error' not in p['trl']]), '.2f')}")
+                    f"{fmt(trl_length, '.2f')}")
             info, mm = r.get("model_info"), [p.get("matmul") for p in pairs if p.get("matmul")]
             fr_o, fr_t, floors = [], [], []
             for p in pairs:
