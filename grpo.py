@@ -1576,6 +1576,8 @@ def train(args: Args) -> dict:
     eval_accuracy_start = eval_accuracy = run_eval(start_step)
     if saved_eval_start is not None:  # a resumed run's summary starts where the run started: at step 0
         eval_accuracy_start = saved_eval_start
+    if resume_path is None and eval_rows:  # a row of its own, so that the logged eval curve starts at step 0
+        logger.log(0, {"eval_accuracy": eval_accuracy})
     timings = {"generation": [], "reference": [], "reward": [], "update": []}  # seconds, per step
     step_times, step_model_flops, memory_samples = [], [], []
     generated_tokens, trained_tokens = [], []  # per step, over all processes
@@ -1855,6 +1857,8 @@ def train(args: Args) -> dict:
         return {"steps": start_step + len(step_times), "interrupted": True}
     if not interrupted:
         eval_accuracy = run_eval(start_step + len(step_times))
+        if eval_rows:  # a second row for the last step (its training row is logged before the final save)
+            logger.log(start_step + len(step_times), {"eval_accuracy": eval_accuracy})
     steps_done = len(step_times)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     summary = {

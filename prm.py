@@ -1577,6 +1577,8 @@ def train(args: Args) -> dict:
         print0("eval at step 0: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_start.items())
                + f" (position-only baseline: auroc {baseline['eval_auroc']:.3f}, "
                f"first_error_f1 {baseline['eval_first_error_f1']:.3f})", enabled=is_main)
+        if eval_examples:  # a row of its own, so that the logged eval curves start at step 0
+            logger.log(0, eval_start)
     step_times, step_tokens, memory_samples = [], [], []
     run_start = time.perf_counter()
 
@@ -1744,6 +1746,8 @@ def train(args: Args) -> dict:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
         print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()),
                enabled=is_main)
+        if eval_examples:  # a second row for the last step (its training row is logged before the final save)
+            logger.log(args.total_steps, eval_metrics)
         scores = score_steps(prm, [r["prompt"] for r in score_rows], [r["completions"] for r in score_rows],
                              args.eval_batch_size) if score_rows else None
         if is_main and scores is not None:

@@ -103,7 +103,8 @@ def test_fsdp_equals_one_process_and_resumes_exactly(script, flags, tmp_path):
     # a sharded checkpoint holds whole weights, loadable without FSDP, equal to the plain run's
     assert_close_weights(weights(sharded / "checkpoint-2"), weights(plain / "checkpoint-2"))
     if script == "grpo":  # tokens/s count every process's tokens (completion lengths differ between processes)
-        rows = [json.loads(line) for line in (sharded / "metrics.jsonl").read_text().splitlines()][1:]  # timed
+        rows = [row for row in map(json.loads, (sharded / "metrics.jsonl").read_text().splitlines())
+                if "generation_time_s" in row][1:]  # the timed training rows (not the start and end evaluations')
         summary = json.loads((sharded / "summary.json").read_text())
         assert summary["generated_tokens_per_s"] == pytest.approx(
             sum(row["completion_length"] * 32 for row in rows) / sum(row["generation_time_s"] for row in rows))
@@ -112,8 +113,8 @@ def test_fsdp_equals_one_process_and_resumes_exactly(script, flags, tmp_path):
     uninterrupted, final = metrics(sharded), weights(sharded / "final")
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    (resumed / "metrics.jsonl").write_text("".join(
-        line + "\n" for line in (sharded / "metrics.jsonl").read_text().splitlines()[:2]))
+    (resumed / "metrics.jsonl").write_text("".join(  # the rows up to the checkpoint, the start evaluation's too
+        line + "\n" for line in (sharded / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2))
     os.rename(sharded / "checkpoint-2", resumed / "checkpoint-2")
     run_fsdp(script, resumed, *flags, "--resume-from", "latest")
     assert metrics(resumed) == uninterrupted

@@ -13,7 +13,7 @@ import torch
 
 import grpo
 from conftest import run_script_main
-from test_grpo_runs import QUICK, REPO_ROOT, read_metrics, read_summary, run_grpo, save_tiny
+from test_grpo_runs import QUICK, REPO_ROOT, read_eval_rows, read_metrics, read_summary, run_grpo, save_tiny
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
 TIMING_KEYS = {"step_time_s", "generation_time_s", "reward_time_s", "reference_time_s", "update_time_s", "memory_mb"}
@@ -251,7 +251,8 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
                                env={**os.environ, "WANDB_MODE": "disabled"})
     metrics_file = interrupted / "metrics.jsonl"
     deadline = time.time() + 240
-    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+    # (3 rows: the start evaluation's and two steps')
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=240)
@@ -289,6 +290,9 @@ def test_a_finished_run_is_taken_further_from_its_final_model(tmp_path, capsys):
     assert code == 0, err
     assert [row["step"] for row in read_metrics(extended)] == [1, 2, 3]
     assert comparable(read_metrics(extended)) == comparable(read_metrics(straight))
+    # the evaluation that ended the shorter run stays in the curve; the final one is the straight run's
+    assert [row["step"] for row in read_eval_rows(extended)] == [0, 2, 3]
+    assert read_eval_rows(extended)[::2] == read_eval_rows(straight)
     assert grpo.final_step(str(extended)) == 3
     from safetensors.torch import load_file
 

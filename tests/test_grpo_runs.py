@@ -24,8 +24,18 @@ def run_grpo(output_dir: Path, *flags: str, env: dict | None = None, expect_rc: 
     return process
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
+def read_all_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The training rows, one per step (the evaluations at the start and the end have rows of their own)."""
+    return [row for row in read_all_metrics(output_dir) if "step_time_s" in row]
+
+
+def read_eval_rows(output_dir: Path) -> list[dict]:
+    """The rows of the evaluations at the start and the end: their step and metrics, nothing else."""
+    return [row for row in read_all_metrics(output_dir) if "step_time_s" not in row]
 
 
 def read_summary(output_dir: Path) -> dict:
@@ -68,6 +78,9 @@ def test_default_task_few_steps(tmp_path):
         summary["model_tflops_per_s"] / summary["matmul_tflops_measured"])
     metrics = read_metrics(out)
     assert [row["step"] for row in metrics] == [1, 2, 3]
+    # the start and final evaluations: rows of their own (--eval-every 0), the summary's figures
+    assert read_eval_rows(out) == [{"step": 0, "eval_accuracy": summary["eval_accuracy_start"]},
+                                   {"step": 3, "eval_accuracy": summary["eval_accuracy_end"]}]
     # tokens/s over the timed steps, as the step time: the first pays for warm-up (kernel loading, on a GPU)
     timed = metrics[1:]
     generated = sum(row["completion_length"] * 16 for row in timed)  # 4 prompts x 4 completions

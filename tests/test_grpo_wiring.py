@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import grpo
 from test_grpo_reliability import run_main
-from test_grpo_runs import QUICK, read_metrics, read_summary, save_tiny
+from test_grpo_runs import QUICK, read_all_metrics, read_metrics, read_summary, save_tiny
 
 # one step of 4 prompts x 4 completions, no held-out evaluation (so reward functions only see training samples)
 ONE_STEP = [*QUICK, "--total-steps", "1", "--num-eval-prompts", "0"]
@@ -415,8 +415,9 @@ def test_bf16_micro_batch_gradients_are_added_in_fp32(tmp_path, capsys, monkeypa
 
 
 def test_eval_every_logs_eval_accuracy_before_the_last_step(tmp_path, capsys, monkeypatch):
-    """README: `eval_accuracy` every --eval-every steps before the last (the start and end values are in
-    summary.json); the held-out evaluation runs at the start, after steps 1 and 2, and at the end."""
+    """README: `eval_accuracy` every --eval-every steps, in the training rows before the last; the evaluations at
+    the start and after the last step get rows of their own (and are in summary.json). The held-out evaluation runs
+    at the start, after steps 1 and 2, and at the end: once each."""
     accuracies = []
     spy_on(monkeypatch, "evaluate", lambda args, kwargs, result: accuracies.append(result[0]))
     out = tmp_path / "run"
@@ -426,6 +427,8 @@ def test_eval_every_logs_eval_accuracy_before_the_last_step(tmp_path, capsys, mo
     assert [row["step"] for row in metrics] == [1, 2, 3]
     assert [row.get("eval_accuracy") for row in metrics[:2]] == accuracies[1:3]
     assert "eval_accuracy" not in metrics[2]
+    assert read_all_metrics(out) == [{"step": 0, "eval_accuracy": accuracies[0]}, *metrics,
+                                     {"step": 3, "eval_accuracy": accuracies[3]}]
     summary = read_summary(out)
     assert summary["eval_accuracy_start"] == accuracies[0] and summary["eval_accuracy_end"] == accuracies[3]
 

@@ -40,8 +40,18 @@ def read_summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
+def read_all_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The training rows, one per step (the evaluations at the start and the end have rows of their own)."""
+    return [row for row in read_all_metrics(output_dir) if "step_time_s" in row]
+
+
+def read_eval_rows(output_dir: Path) -> list[dict]:
+    """The rows of the evaluations at the start and the end: their step and metrics, nothing else."""
+    return [row for row in read_all_metrics(output_dir) if "step_time_s" not in row]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -633,6 +643,12 @@ def test_default_run_few_steps(tmp_path):
     metrics = read_metrics(out)
     assert [row["step"] for row in metrics] == [1, 2, 3]
     assert "eval_auroc" in metrics[1] and "eval_auroc" not in metrics[0]  # --eval-every 2
+    # the start and final evaluations: rows of their own, the same figures as the summary's
+    evaluations = read_eval_rows(out)
+    assert [row["step"] for row in evaluations] == [0, 3] and "eval_auroc" not in metrics[2]
+    for key in ("eval_step_accuracy", "eval_auroc", "eval_first_error_f1"):
+        assert evaluations[0][key] == pytest.approx(summary[f"{key}_start"], nan_ok=True), key
+        assert evaluations[1][key] == pytest.approx(summary[f"{key}_end"], nan_ok=True), key
     for key in ("loss", "accuracy", "grad_norm", "learning_rate", "step_time_s", "labelled_steps"):
         assert math.isfinite(metrics[-1][key]), key
     assert "eval at step 0" in process.stdout and "eval at step 3" in process.stdout

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import prm
 from conftest import run_script_main
-from test_prm import QUICK, REPO_ROOT, builtin_rows, read_metrics, read_summary, run_prm, write_rows
+from test_prm import (QUICK, REPO_ROOT, builtin_rows, read_all_metrics, read_metrics, read_summary, run_prm,
+                      write_rows)
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
 TIMING_KEYS = {"step_time_s", "memory_mb"}
@@ -419,7 +420,8 @@ def copy_run_up_to(source: Path, target: Path, step: int) -> None:
 
     shutil.copytree(source / f"checkpoint-{step}", target / f"checkpoint-{step}")
     rows = (source / "metrics.jsonl").read_text().splitlines()
-    (target / "metrics.jsonl").write_text("\n".join(rows[:step + 1]) + "\n")  # row step+1 must be dropped
+    kept = [row for row in rows if json.loads(row)["step"] <= step]  # the start evaluation's row too
+    (target / "metrics.jsonl").write_text("\n".join(rows[:len(kept) + 1]) + "\n")  # row step+1 must be dropped
 
 
 def comparable(rows: list[dict]) -> list[str]:
@@ -445,7 +447,7 @@ def test_lora_resume_with_dropout_matches_an_uninterrupted_run(tmp_path, capsys)
     code, out, err = run_main([*flags, "--resume-from", str(resumed / "checkpoint-3")], capsys, with_stdout=True)
     assert code == 0, err  # --output-dir defaults to the checkpoint's own run directory
     assert f"resumed from {resumed / 'checkpoint-3'} at step 3" in out
-    assert comparable(read_metrics(resumed)) == comparable(read_metrics(straight))
+    assert comparable(read_all_metrics(resumed)) == comparable(read_all_metrics(straight))
     for name in ("adapter_model.safetensors", "reward_head.safetensors"):
         assert max_difference(load_file(straight / "final" / name), load_file(resumed / "final" / name)) == 0.0
     a, b = read_summary(straight), read_summary(resumed)
@@ -743,7 +745,8 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     metrics_file = interrupted / "metrics.jsonl"
     deadline = time.time() + 240
-    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+    # (3 rows: the start evaluation's and two steps')
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=240)
@@ -759,6 +762,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
     resumed = read_metrics(interrupted)
     assert [row["step"] for row in resumed] == list(range(1, total + 1))
     assert comparable(resumed) == comparable(read_metrics(straight))  # to the last digit, rows k+1.. included
+    assert comparable(read_all_metrics(interrupted)) == comparable(read_all_metrics(straight))  # evaluations too
     for name in ("model.safetensors", "reward_head.safetensors"):
         difference = max_difference(load_file(straight / "final" / name), load_file(interrupted / "final" / name))
         print(f"resume after step {stopped_at}: max |weight difference| in {name} = {difference}")

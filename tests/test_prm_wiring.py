@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import prm
-from test_prm import REPO_ROOT, builtin_rows, read_metrics, read_summary, write_rows
+from test_prm import REPO_ROOT, builtin_rows, read_eval_rows, read_metrics, read_summary, write_rows
 from test_prm_reliability import SMALL, max_difference, nan_on_calls, run_main, small_data
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
@@ -408,7 +408,8 @@ def test_micro_batches_make_the_same_update_in_one_process(tmp_path, capsys):
 
 
 def test_no_second_evaluation_at_the_last_step(tmp_path, capsys):
-    """The last step's evaluation is the final one, logged in summary.json, not also in the last metrics row."""
+    """The last step's evaluation is the final one, in summary.json and in a row of its own after the last training
+    row, not also in that row."""
     out = tmp_path / "out"
     code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
                           "--eval-every", "1", "--eval-data-path", small_data(tmp_path), "--num-eval-rows", "8"],
@@ -416,6 +417,8 @@ def test_no_second_evaluation_at_the_last_step(tmp_path, capsys):
     assert code == 0, err
     metrics = read_metrics(out)
     assert "eval_auroc" in metrics[0] and "eval_auroc" not in metrics[1]
+    final_evaluation = read_eval_rows(out)[-1]
+    assert final_evaluation["step"] == 2 and final_evaluation["eval_auroc"] == read_summary(out)["eval_auroc_end"]
 
 
 def test_resume_keeps_the_skipped_update_count(tmp_path, capsys, monkeypatch):
