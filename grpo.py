@@ -619,7 +619,8 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
                         f"{rows} embeddings: save the model after model.resize_token_embeddings(len(tokenizer))")
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id >= rows:  # padding is masked: any id in range does
         problem = "no pad token" if tokenizer.pad_token_id is None else f"a pad id past the model's {rows} embeddings"
-        print0(f"note: the tokenizer of {name_or_path} has {problem}; using EOS ({tokenizer.eos_token!r}) to pad")
+        print0(f"note: the tokenizer of {name_or_path} has {problem}; using EOS ({tokenizer.eos_token!r}) to pad",
+               enabled=os.environ.get("RANK", "0") == "0")  # one note per run, not one per torchrun process
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
@@ -931,11 +932,12 @@ def apply_lora(model, args: Args):
 
 
 def compute_rewards(prompts: list[str], completions: list[str], answers: list[str],
-                    reward_fns: list[tuple[str, Callable, float]], on_error: str) -> tuple[torch.Tensor, dict]:
+                    reward_fns: list[tuple[str, Callable, float]], on_error: str,
+                    first_index: int = 0) -> tuple[torch.Tensor, dict]:
     """Weighted sum of the reward functions for each completion. A per-sample function takes (completion, answer);
     the PRM reward (name "prm") takes the whole lists (prompts, completions), to score them in batches. A value
-    that raised or is not finite is reported with the sample index: raised as an error, or (on_error="skip")
-    that sample's reward becomes NaN."""
+    that raised or is not finite is reported with the sample's index in the step's batch (first_index: where this
+    process's share starts in it): raised as an error, or (on_error="skip") that sample's reward becomes NaN."""
     totals = torch.zeros(len(completions), dtype=torch.float32)
     per_fn = {}
     for name, fn, weight in reward_fns:
@@ -943,8 +945,8 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
             try:
                 values = [float(v) for v in fn(prompts, completions)]
             except Exception as error:  # one call scores the whole batch: every sample's reward failed
-                failure = _reward_failure(name, 0, completions[0], f"{type(error).__name__}: {error} (one call "
-                                          "scores the whole batch: every sample failed)", on_error)
+                failure = _reward_failure(name, first_index, completions[0], f"{type(error).__name__}: {error} "
+                                          "(one call scores the whole batch: every sample failed)", on_error)
                 per_fn[name] = torch.full((len(completions),), failure)
                 totals += weight * per_fn[name]
                 continue
@@ -954,11 +956,12 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
                 try:
                     values.append(float(fn(completion, answer)))
                 except Exception as error:
-                    values.append(_reward_failure(name, index, completion, f"{type(error).__name__}: {error}",
-                                                  on_error))
+                    values.append(_reward_failure(name, first_index + index, completion,
+                                                  f"{type(error).__name__}: {error}", on_error))
         for index, value in enumerate(values):
             if not math.isfinite(value):
-                values[index] = _reward_failure(name, index, completions[index], f"returned {value}", on_error)
+                values[index] = _reward_failure(name, first_index + index, completions[index], f"returned {value}",
+                                                on_error)
         per_fn[name] = torch.tensor(values, dtype=torch.float32)
         totals += weight * per_fn[name]
     return totals, per_fn
@@ -1622,7 +1625,7 @@ def train(args: Args) -> dict:
             answers = [r["answer"] for r in rows for _ in range(args.group_size)]
             prompt_texts = [r["prompt"] for r in rows for _ in range(args.group_size)]
             rewards, rewards_per_fn = compute_rewards(prompt_texts, completions, answers, reward_fns,
-                                                      args.reward_errors)
+                                                      args.reward_errors, first_index=rank * local_batch)
             t_rewarded = sync_clock()
             timings["reward"].append(t_rewarded - t_generated)
 

@@ -428,6 +428,7 @@ def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool 
     if os.path.isdir(path):
         raise UserError(f"data file {path!r} is a directory; pass a JSONL file of {what} rows")
     rows, skipped = [], 0
+    notify = os.environ.get("RANK", "0") == "0"  # every torchrun process reads the file: one warning per run
     try:
         with open(path, "rb") as f:  # bytes, decoded line by line: a non-UTF-8 line is reported with its number
             for line_number, raw in enumerate(f, start=1):
@@ -442,11 +443,12 @@ def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool 
                     if not skip_bad_rows:
                         raise UserError(f"{path}:{line_number}: {problem} (--skip-bad-rows skips such rows)") from None
                     skipped += 1
-                    print0(f"warning: skipped {path}:{line_number}: {problem}", file=sys.stderr, enabled=skipped <= 5)
+                    print0(f"warning: skipped {path}:{line_number}: {problem}", file=sys.stderr,
+                           enabled=notify and skipped <= 5)
     except OSError as error:
         raise UserError(f"cannot read data file {path!r}: {error.strerror or error}") from None
     if skipped:
-        print0(f"warning: skipped {skipped} invalid rows of {path}", file=sys.stderr)
+        print0(f"warning: skipped {skipped} invalid rows of {path}", file=sys.stderr, enabled=notify)
     if not rows:
         raise UserError(f"{path} holds no valid rows" + (f" ({skipped} skipped as invalid)" if skipped else
                                                           f"; it needs JSONL {what} rows, one per line"))

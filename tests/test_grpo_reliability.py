@@ -163,7 +163,7 @@ def test_resume_refuses_another_scripts_or_models_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("pad", ["none", "past the embeddings"])
-def test_tokenizer_without_a_usable_pad_token_falls_back_to_eos(pad, tmp_path, capsys):
+def test_tokenizer_without_a_usable_pad_token_falls_back_to_eos(pad, tmp_path, capsys, monkeypatch):
     """No pad token, or one added to the tokenizer without resizing the model's embeddings (an IndexError at the
     first padded prompt, a device-side assert on CUDA): finished rows and prompts are padded with EOS instead."""
     from transformers import AutoTokenizer
@@ -183,6 +183,10 @@ def test_tokenizer_without_a_usable_pad_token_falls_back_to_eos(pad, tmp_path, c
     problem = "no pad token" if pad == "none" else "a pad id past the model's"
     assert f"has {problem}" in out and "using EOS ('<eos>') to pad" in out
     assert len(read_metrics(tmp_path / "out")) == 1
+    # under torchrun every process loads the model: the note is printed once, by rank 0
+    monkeypatch.setenv("RANK", "1")
+    tokenizer = grpo.load_model_and_tokenizer(str(model_dir), torch.float32, False)[1]
+    assert tokenizer.pad_token == "<eos>" and "to pad" not in capsys.readouterr().out
 
 
 def test_an_eos_id_past_the_embeddings_is_an_error(tmp_path, capsys):

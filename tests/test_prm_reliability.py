@@ -285,7 +285,7 @@ def test_a_prompt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsys
     assert summary["dropped_rows"] == 1 and summary["dropped_steps"] == 1 and summary["train_rows"] == 20
 
 
-def test_skip_bad_rows_skips_and_counts_every_kind(tmp_path, capsys):
+def test_skip_bad_rows_skips_and_counts_every_kind(tmp_path, capsys, monkeypatch):
     bad = ['{"prompt": "p", oops', '[1]', '{"prompt": "p", "completions": ["a"]}',
            '{"prompt": "p", "completions": ["a"], "labels": [2]}',
            '{"prompt": "p", "completions": ["a"], "labels": [NaN]}',
@@ -299,6 +299,9 @@ def test_skip_bad_rows_skips_and_counts_every_kind(tmp_path, capsys):
     assert all(f"rows.jsonl:{line}:" in err for line in range(11, 16))  # the first five are named
     assert "skipped 6 invalid rows" in err
     assert read_summary(out)["skipped_rows"] == 6 and read_summary(out)["train_rows"] == 27
+    # under torchrun every process reads the file: the warnings are printed once, by rank 0
+    monkeypatch.setenv("RANK", "1")
+    assert prm.load_jsonl_rows(data, skip_bad_rows=True)[1] == 6 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("pad", ["none", "past the embeddings"])
