@@ -575,6 +575,9 @@ def main(argv=None) -> int:
     for f in ("grpo.py", "prm.py"):
         if any(cfg.startswith(f[:-3]) for cfg in configs) and not os.path.exists(os.path.join(a.main_dir, f)):
             sys.exit(f"{f} not found in --main-dir {a.main_dir}")
+    if not os.path.isfile(os.path.join(a.harness_dir, "trl_grpo_bench.py")):
+        sys.exit(f"the TRL harness (trl_grpo_bench.py) is not in {a.harness_dir}: run from a checkout beside "
+                 "shared/ (the default is <main-dir>/../shared/bench), or pass --harness-dir")
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_vs_trl_"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"work dir {work}\nours: {a.ours_python} ({a.main_dir})\nTRL GRPO: {a.trl_python}\n"
