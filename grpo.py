@@ -933,11 +933,13 @@ def apply_lora(model, args: Args):
 
 def compute_rewards(prompts: list[str], completions: list[str], answers: list[str],
                     reward_fns: list[tuple[str, Callable, float]], on_error: str,
-                    first_index: int = 0) -> tuple[torch.Tensor, dict]:
+                    sample_indices: Optional[list[int]] = None) -> tuple[torch.Tensor, dict]:
     """Weighted sum of the reward functions for each completion. A per-sample function takes (completion, answer);
     the PRM reward (name "prm") takes the whole lists (prompts, completions), to score them in batches. A value
-    that raised or is not finite is reported with the sample's index in the step's batch (first_index: where this
-    process's share starts in it): raised as an error, or (on_error="skip") that sample's reward becomes NaN."""
+    that raised or is not finite is reported with the sample's index in the step's batch (sample_indices, one per
+    completion: under torchrun a process holds only its share; default 0, 1, ...): raised as an error, or
+    (on_error="skip") that sample's reward becomes NaN."""
+    sample_indices = sample_indices if sample_indices is not None else list(range(len(completions)))
     totals = torch.zeros(len(completions), dtype=torch.float32)
     per_fn = {}
     for name, fn, weight in reward_fns:
@@ -945,7 +947,7 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
             try:
                 values = [float(v) for v in fn(prompts, completions)]
             except Exception as error:  # one call scores the whole batch: every sample's reward failed
-                failure = _reward_failure(name, first_index, completions[0], f"{type(error).__name__}: {error} "
+                failure = _reward_failure(name, sample_indices[0], completions[0], f"{type(error).__name__}: {error} "
                                           "(one call scores the whole batch: every sample failed)", on_error)
                 per_fn[name] = torch.full((len(completions),), failure)
                 totals += weight * per_fn[name]
@@ -956,11 +958,11 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
                 try:
                     values.append(float(fn(completion, answer)))
                 except Exception as error:
-                    values.append(_reward_failure(name, first_index + index, completion,
+                    values.append(_reward_failure(name, sample_indices[index], completion,
                                                   f"{type(error).__name__}: {error}", on_error))
         for index, value in enumerate(values):
             if not math.isfinite(value):
-                values[index] = _reward_failure(name, first_index + index, completions[index], f"returned {value}",
+                values[index] = _reward_failure(name, sample_indices[index], completions[index], f"returned {value}",
                                                 on_error)
         per_fn[name] = torch.tensor(values, dtype=torch.float32)
         totals += weight * per_fn[name]
@@ -1513,9 +1515,12 @@ def train(args: Args) -> dict:
                     shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
         os.makedirs(output_dir, exist_ok=True)
         metrics_path = os.path.join(output_dir, "metrics.jsonl")
-        if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written
+        if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written, and
+            # the final evaluation's row at its step when this run does that evaluation again (a run killed between
+            # that row and its summary); a run taken further keeps it, as the evaluation at that step
             with open(metrics_path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= start_step]
+                kept = [line for line in f if (row := json.loads(line))["step"] < start_step or (
+                    row["step"] == start_step and ("step_time_s" in row or start_step < args.total_steps))]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
         if resuming_here:  # the branch after the checkpoint is gone: `--resume-from latest` must not pick up its
@@ -1624,8 +1629,9 @@ def train(args: Args) -> dict:
             completions = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
             answers = [r["answer"] for r in rows for _ in range(args.group_size)]
             prompt_texts = [r["prompt"] for r in rows for _ in range(args.group_size)]
-            rewards, rewards_per_fn = compute_rewards(prompt_texts, completions, answers, reward_fns,
-                                                      args.reward_errors, first_index=rank * local_batch)
+            rewards, rewards_per_fn = compute_rewards(
+                prompt_texts, completions, answers, reward_fns, args.reward_errors,
+                sample_indices=[i * args.group_size + k for i in prompt_indices for k in range(args.group_size)])
             t_rewarded = sync_clock()
             timings["reward"].append(t_rewarded - t_generated)
 

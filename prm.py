@@ -1539,9 +1539,12 @@ def train(args: Args) -> dict:
             clear_run(output_dir)
         os.makedirs(output_dir, exist_ok=True)
         metrics_path = os.path.join(output_dir, "metrics.jsonl")
-        if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written
+        if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written, and
+            # the final evaluation's row at its step when this run does that evaluation again (a run killed between
+            # that row and its summary)
             with open(metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+                kept = [line for line in f if line.strip() and ((row := json.loads(line))["step"] < start_step or (
+                    row["step"] == start_step and ("step_time_s" in row or start_step < args.total_steps)))]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
         if resuming_here:  # the branch after the checkpoint is gone: `--resume-from latest` must not pick up its
@@ -1746,10 +1749,11 @@ def train(args: Args) -> dict:
         return {"steps": start_step + len(step_times), "interrupted": True}
     if evaluates and not interrupted:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
-        print0(f"eval at step {args.total_steps}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()),
+        last_step = start_step + len(step_times)
+        print0(f"eval at step {last_step}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()),
                enabled=is_main)
         if eval_examples:  # a second row for the last step (its training row is logged before the final save)
-            logger.log(args.total_steps, eval_metrics)
+            logger.log(last_step, eval_metrics)
         scores = score_steps(prm, [r["prompt"] for r in score_rows], [r["completions"] for r in score_rows],
                              args.eval_batch_size) if score_rows else None
         if is_main and scores is not None:

@@ -1426,17 +1426,19 @@ def test_a_failing_batched_reward_is_reported_or_skipped(capsys):
 
 def test_a_failed_reward_names_the_sample_by_its_index_in_the_whole_batch(capsys):
     """Under torchrun each process scores its own share of the step's samples: a failure names the sample by its
-    index among all of them (first_index: where the share starts), not by its index in the share."""
+    index among all of them (sample_indices), not by its index in the share."""
     def nan_on_two(completion, answer):
         return float("nan") if completion == "2" else 1.0
 
     with pytest.raises(UserError, match="reward answer failed on sample 33 .*'2'.*returned nan"):
         compute_rewards(["p", "p", "p"], ["1", "2", "3"], ["1", "1", "1"], [("answer", nan_on_two, 1.0)], "raise",
-                        first_index=32)
+                        sample_indices=[32, 33, 34])
     totals, _ = compute_rewards(["p", "p"], ["2", "3"], ["1", "1"], [("answer", nan_on_two, 1.0)], "skip",
-                                first_index=8)
+                                sample_indices=[8, 9])
     assert torch.isnan(totals[0]) and totals[1] == 1.0
     assert "reward answer failed on sample 8 " in capsys.readouterr().err
+    compute_rewards(["p", "p"], ["3", "2"], ["1", "1"], [("answer", nan_on_two, 1.0)], "skip")
+    assert "reward answer failed on sample 1 " in capsys.readouterr().err  # one process: the index in the batch
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -219,6 +219,7 @@ def test_reward_errors_are_reported_or_skipped(tmp_path, capsys, monkeypatch):
     assert code == 0
     assert "returned nan" in err
     metrics = read_metrics(tmp_path / "b")
+    assert read_eval_rows(tmp_path / "b") == []  # no eval prompts: no evaluation rows
     assert all(row["reward_errors"] > 0 for row in metrics)
     assert all(row["loss"] is not None for row in metrics)  # the failed samples left no NaN (null) behind
 
@@ -271,6 +272,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
     resumed = read_metrics(interrupted)
     assert [row["step"] for row in resumed] == list(range(1, 13))
     assert comparable(resumed[stopped_at:]) == comparable(read_metrics(straight)[stopped_at:])
+    assert read_eval_rows(interrupted) == read_eval_rows(straight)  # the start and final evaluations, once each
     from safetensors.torch import load_file
 
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(interrupted / "final" / "model.safetensors")
@@ -356,6 +358,27 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
     assert read_summary(run)["steps"] == 2 and [row["step"] for row in read_metrics(run)] == [1, 2]
     code, out, _ = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
     assert code == 0 and "nothing to do" in out  # now it is finished
+
+
+def test_a_stop_after_the_final_evaluation_row_logs_it_once(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C after the final evaluation's row is logged but before the summary is written: the resume does that
+    evaluation again and logs its row in place of the old one, not beside it."""
+    real_throughput = grpo.matmul_flops_per_s
+
+    def interrupted(*args, **kwargs):  # measured for the summary, after the final evaluation's row
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo, "matmul_flops_per_s", interrupted)
+    run = tmp_path / "run"
+    flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2"]
+    with pytest.raises(KeyboardInterrupt):
+        run_main(flags, capsys)
+    assert not (run / "summary.json").exists() and [row["step"] for row in read_eval_rows(run)] == [0, 2]
+    monkeypatch.setattr(grpo, "matmul_flops_per_s", real_throughput)
+    assert run_main([*flags, "--resume-from", "latest"], capsys)[0] == 0
+    assert [row["step"] for row in read_metrics(run)] == [1, 2]
+    assert [row["step"] for row in read_eval_rows(run)] == [0, 2]
+    assert read_eval_rows(run)[-1]["eval_accuracy"] == read_summary(run)["eval_accuracy_end"]
 
 
 def test_a_stop_signal_during_the_final_save_skips_the_final_evaluation(tmp_path, capsys, monkeypatch):

@@ -610,6 +610,30 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
     code, stdout, err = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
     assert code == 0 and "nothing to do" not in stdout, err
     assert read_summary(out)["steps"] == 2 and prm.final_step(str(out)) == 2
+    assert all("step_time_s" in row for row in read_all_metrics(out))  # no eval rows: no evaluation rows
+
+
+def test_a_stop_after_the_final_evaluation_row_logs_it_once(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C after the final evaluation's row is logged but before the summary is written (while scoring, say):
+    the resume does that evaluation again and logs its row in place of the old one, not beside it."""
+    real_throughput = prm.matmul_flops_per_s
+
+    def interrupted(*args, **kwargs):  # measured for the summary, after the final evaluation's row
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prm, "matmul_flops_per_s", interrupted)
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
+             "--save-every", "2", "--eval-data-path", small_data(tmp_path), "--num-eval-rows", "8"]
+    with pytest.raises(KeyboardInterrupt):
+        run_main(flags, capsys)
+    assert not (out / "summary.json").exists()
+    assert [row["step"] for row in read_all_metrics(out)] == [0, 1, 2, 2]
+    monkeypatch.setattr(prm, "matmul_flops_per_s", real_throughput)
+    assert run_main([*flags, "--resume-from", "latest"], capsys)[0] == 0
+    rows = read_all_metrics(out)
+    assert [row["step"] for row in rows] == [0, 1, 2, 2] and "step_time_s" in rows[2]
+    assert rows[-1]["eval_auroc"] == read_summary(out)["eval_auroc_end"]
 
 
 def test_a_stop_signal_during_the_final_save_checkpoints_and_skips_the_final_evaluation(tmp_path, capsys,
