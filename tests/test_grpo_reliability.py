@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -630,6 +631,31 @@ def test_two_processes_make_the_same_update_as_one(tmp_path):
     assert max((one[name] - initial[name]).abs().max().item() for name in one) > 5e-4  # Adam moves ~lr
     for key in ("reward", "loss", "grad_norm"):
         assert read_metrics(single)[0][key] == pytest.approx(read_metrics(double)[0][key], rel=1e-5), key
+
+
+def test_a_failed_reward_is_named_by_the_same_sample_index_under_torchrun(tmp_path):
+    """torchrun gives each process every world_size-th prompt of the step: a reward failure names the sample by its
+    index in the whole step's batch, the index one process names for the same completion."""
+    rows = [{"prompt": f"({n}+7)%10=", "answer": str(n)} for n in range(101, 105)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    wrapper = tmp_path / "failing_reward.py"  # grpo.py whose answer reward is NaN for one prompt
+    wrapper.write_text(f"import sys\nsys.path.insert(0, {str(REPO_ROOT)!r})\nimport grpo\n"
+                       "grpo.answer_reward = lambda completion, answer: float('nan') if answer == '102' else 0.0\n"
+                       "grpo.main()\n")
+    flags = ["--data-path", str(data), "--no-chat-template", "--total-steps", "1", "--prompts-per-step", "4",
+             "--group-size", "4", "--eval-every", "0", "--num-eval-prompts", "0", "--reward-errors", "skip"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    named = {}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for launch, processes in (([sys.executable], 1), (torchrun, 2)):
+        process = subprocess.run([*launch, str(wrapper), "--output-dir", str(tmp_path / f"run{processes}"), *flags],
+                                 cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+        assert process.returncode == 0, process.stderr[-3000:]
+        named[processes] = sorted(int(n) for n in re.findall(r"failed on sample (\d+) ", process.stderr))
+    # the prompt's 4 completions, by the same indices (the epoch's order puts it at any of the 4 places)
+    assert len(named[1]) == 4 and named[1] == list(range(named[1][0], named[1][0] + 4)) and named[1][0] % 4 == 0
+    assert named[2] == named[1]
 
 
 def test_a_prompt_of_no_tokens_is_refused():
