@@ -419,11 +419,16 @@ def test_eval_every_logs_eval_accuracy_before_the_last_step(tmp_path, capsys, mo
     the start and after the last step get rows of their own (and are in summary.json). The held-out evaluation runs
     at the start, after steps 1 and 2, and at the end: once each."""
     accuracies = []
-    spy_on(monkeypatch, "evaluate", lambda args, kwargs, result: accuracies.append(result[0]))
+
+    def distinct_accuracies(*args, **kwargs):  # the tiny model's would all be 0.0: a mix-up would go unseen
+        accuracies.append(0.125 * (len(accuracies) + 1))
+        return accuracies[-1], []
+
+    monkeypatch.setattr(grpo, "evaluate", distinct_accuracies)
     out = tmp_path / "run"
     metrics = train_in_process(out, [*QUICK, "--total-steps", "3", "--eval-every", "1", "--num-eval-prompts", "8"],
                                capsys)
-    assert len(accuracies) == 4
+    assert accuracies == [0.125, 0.25, 0.375, 0.5]
     assert [row["step"] for row in metrics] == [1, 2, 3]
     assert [row.get("eval_accuracy") for row in metrics[:2]] == accuracies[1:3]
     assert "eval_accuracy" not in metrics[2]
