@@ -1518,9 +1518,11 @@ def train(args: Args) -> dict:
         if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written, and
             # the final evaluation's row at its step when this run does that evaluation again (a run killed between
             # that row and its summary); a run taken further keeps it, as the evaluation at that step
+            redoes_final_evaluation = start_step >= args.total_steps
             with open(metrics_path) as f:
-                kept = [line for line in f if (row := json.loads(line))["step"] < start_step or (
-                    row["step"] == start_step and ("step_time_s" in row or start_step < args.total_steps))]
+                logged = [(line, json.loads(line)) for line in f]
+            kept = [line for line, row in logged if row["step"] <= start_step and not (
+                redoes_final_evaluation and row["step"] == start_step and "step_time_s" not in row)]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
         if resuming_here:  # the branch after the checkpoint is gone: `--resume-from latest` must not pick up its
