@@ -1454,7 +1454,7 @@ def train(args: Args) -> dict:
     # ---- resume, logging
     start_step = 0
     bad_steps_in_a_row = skipped_updates = 0
-    saved_eval_start = None
+    saved_eval_start = saved_eval_last = None
     if resume_path:
         # (on the CPU first: the optimiser's load puts each state beside its parameter, on this process's device)
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
@@ -1490,7 +1490,9 @@ def train(args: Args) -> dict:
         for p, m in mastered:
             p.data.copy_(m.data)
         start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
-        saved_eval_start = state.get("eval_start")  # (checkpoints written before it was kept have none)
+        # the held-out accuracies at step 0 and at the checkpoint's last evaluation (None where it lacks one: the last
+        # in final/, written before the final evaluation; both in a checkpoint of an older version of this script)
+        saved_eval_start, saved_eval_last = state.get("eval_start"), state.get("eval_last")
         set_rng_state(state["rng"])
         # nothing left to train: the final model and summary stay as they are (without final/, a signal stopped the
         # run in its last step, and it goes on to the final evaluation and model)
@@ -1549,9 +1551,9 @@ def train(args: Args) -> dict:
            f"{dtype}, {device}; {args.world_size} process(es), {args.prompts_per_step} prompts x "
            f"{args.group_size} completions per step", enabled=is_main)
 
-    def save_run_state(path: str, step: int, base_model=None) -> None:
+    def save_run_state(path: str, step: int, base_model=None, evaluated: bool = True) -> None:
         """The model and everything a resume needs, written on rank 0 (under FSDP every rank calls it: the shards
-        are gathered)."""
+        are gathered). evaluated: whether the last evaluation, kept for a resume, is up to date at this step."""
         # (under FSDP, gathering the state of an optimiser that has not stepped yet would make it take a step)
         weights, optimizer_state = (full_state_dicts(model, optimizer if optimizer.state else None) if args.fsdp
                                     else (None, optimizer.state_dict()))
@@ -1560,6 +1562,7 @@ def train(args: Args) -> dict:
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(), "dtype": str(dtype),
                 "data": fingerprint, "eval_start": eval_accuracy_start,
+                "eval_last": eval_accuracy if evaluated else None,
                 "master": [m.detach().cpu() for _, m in mastered]},
                 saved_config, weights, base_model)
 
@@ -1583,9 +1586,10 @@ def train(args: Args) -> dict:
         print0(f"eval accuracy at step {step}: {accuracy:.3f}" + (f"  (e.g. {'; '.join(samples)})" if samples else ""))
         return accuracy
 
-    eval_accuracy_start = eval_accuracy = run_eval(start_step)
-    if saved_eval_start is not None:  # a resumed run's summary starts where the run started: at step 0
-        eval_accuracy_start = saved_eval_start
+    # a resume takes the figures from its checkpoint (the summary reads as one run, started at step 0) and spends no
+    # evaluation before its first step where the checkpoint knows them
+    eval_accuracy = saved_eval_last if saved_eval_last is not None else run_eval(start_step)
+    eval_accuracy_start = saved_eval_start if saved_eval_start is not None else eval_accuracy
     if resume_path is None and eval_rows:  # a row of its own, so that the logged eval curve starts at step 0
         logger.log(0, {"eval_accuracy": eval_accuracy})
     timings = {"generation": [], "reference": [], "reward": [], "update": []}  # seconds, per step
@@ -1850,7 +1854,8 @@ def train(args: Args) -> dict:
             # the final model, with its trainer state so that a finished run can be taken further (--resume-from
             # DIR/final), before the final evaluation and under the handlers above: a stop signal from the last
             # step on no longer loses the steps since the last checkpoint
-            save_run_state(os.path.join(output_dir, "final"), start_step + len(step_times), tiny_base)
+            save_run_state(os.path.join(output_dir, "final"), start_step + len(step_times), tiny_base,
+                           evaluated=False)  # (the final evaluation comes after it: a run taken further does it again)
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)

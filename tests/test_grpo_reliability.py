@@ -403,16 +403,40 @@ def test_a_stop_signal_during_the_final_save_skips_the_final_evaluation(tmp_path
     assert code == 0 and "eval accuracy at step 2" in out and read_summary(run)["steps"] == 2
 
 
-def test_a_resumed_runs_summary_starts_at_step_0(tmp_path, capsys, monkeypatch):
-    """eval_accuracy_start is the accuracy before the run's first step, kept in the trainer state: a resumed run's
-    summary reads as one run (it gave the accuracy at the resume step)."""
-    accuracies = iter([0.125, 0.25, 0.5, 0.75])
-    monkeypatch.setattr(grpo, "evaluate", lambda *args, **kwargs: (next(accuracies), []))
+def test_a_resume_takes_its_evaluations_from_the_checkpoint(tmp_path, capsys, monkeypatch):
+    """A resume from checkpoint-STEP evaluates nothing before its first step (on a real model, minutes of
+    generation): its summary starts at the run's step-0 accuracy, and until it evaluates, its last accuracy is the
+    checkpoint's. final/ is written before the final evaluation, so a run taken further from it evaluates first."""
+    accuracies = []
+
+    def distinct_accuracies(*args, **kwargs):  # the tiny model's would all be 0.0: a mix-up would go unseen
+        accuracies.append(0.125 * (len(accuracies) + 1))
+        return accuracies[-1], []
+
+    monkeypatch.setattr(grpo, "evaluate", distinct_accuracies)
     run = tmp_path / "run"
-    flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2", "--save-every", "1"]
-    assert run_main(flags, capsys)[0] == 0  # evaluations at steps 0 and 2: 0.125, 0.25
-    assert read_summary(run)["eval_accuracy_start"] == 0.125
-    assert run_main([*flags, "--resume-from", str(run / "checkpoint-1")], capsys)[0] == 0  # at 1 and 2: 0.5, 0.75
+    flags = [*QUICK, "--output-dir", str(run), "--eval-every", "2", "--save-every", "2"]
+    assert run_main(flags, capsys)[0] == 0  # at steps 0, 2 and 3 (the end)
+    assert accuracies == [0.125, 0.25, 0.375]
+    real_rewards = grpo.compute_rewards
+
+    def rewards_sending_sigterm(*args, **kwargs):  # called once per step: the resumed run stops after step 3
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_rewards(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "compute_rewards", rewards_sending_sigterm)
+    assert run_main([*flags, "--resume-from", str(run / "checkpoint-2")], capsys)[0] == 0
+    monkeypatch.setattr(grpo, "compute_rewards", real_rewards)
+    summary = read_summary(run)
+    assert accuracies == [0.125, 0.25, 0.375] and summary["interrupted"]
+    assert summary["eval_accuracy_start"] == 0.125 and summary["eval_accuracy_end"] == 0.25
+    assert run_main([*flags, "--resume-from", "latest"], capsys)[0] == 0  # checkpoint-3: the final evaluation only
+    summary = read_summary(run)
+    assert accuracies[3:] == [0.5] and not summary["interrupted"]
+    assert summary["eval_accuracy_start"] == 0.125 and summary["eval_accuracy_end"] == 0.5
+    assert read_eval_rows(run) == [{"step": 0, "eval_accuracy": 0.125}, {"step": 3, "eval_accuracy": 0.5}]
+    assert run_main([*flags, "--total-steps", "4", "--resume-from", str(run / "final")], capsys)[0] == 0  # step 3
+    assert accuracies[4:] == [0.625, 0.75]  # at its start (final/ does not hold the final evaluation) and end
     summary = read_summary(run)
     assert summary["eval_accuracy_start"] == 0.125 and summary["eval_accuracy_end"] == 0.75
 
