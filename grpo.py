@@ -12,7 +12,8 @@ Where this file departs from the paper, and why:
 2. The KL penalty is added to the per-token loss (the paper's form), estimated with k3 by default
    (http://joschu.net/blog/kl-approx.html); `--kl-coef 0` builds no reference model at all.
 3. Loss aggregation is explicit (`--loss-type`, see `grpo_loss`), and every normaliser is the count over the
-   whole batch, across micro-batches and processes, so the update never depends on how the batch is split.
+   whole batch (or minibatch: `--num-minibatches`), across micro-batches and processes, so the update never depends
+   on how the batch is split.
 4. `--scale-rewards group|batch|none`: the paper divides by each group's std; the default divides by the batch's
    (reward differences keep their scale across groups); Dr. GRPO (https://arxiv.org/abs/2503.20783) uses none.
 5. Log-probs are computed at completion positions only, from logits divided by the sampling temperature, in
@@ -35,6 +36,7 @@ import copy
 import datetime
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -159,16 +161,22 @@ class Args:
     importance_sampling: Literal["token", "sequence"] = "token"
     """token: a ratio per token (PPO, GRPO); sequence: GSPO (https://arxiv.org/abs/2507.18071), one ratio per
     completion, the geometric mean of its tokens' ratios, clipped as a whole. It differs from token only off-policy
-    (--num-iterations above 1); the paper pairs it with --loss-type grpo (other loss types weight each completion
-    by its length) and clip ranges of 3e-4 / 4e-4"""
+    (--num-iterations or --num-minibatches above 1); the paper pairs it with --loss-type grpo (other loss types
+    weight each completion by its length) and clip ranges of 3e-4 / 4e-4"""
 
     # Optimisation
     learning_rate: float = 3e-4
     """AdamW learning rate (1e-6 to 1e-5 is typical for full fine-tuning of real models, 1e-5 to 1e-4 for LoRA)"""
     num_iterations: int = 1
-    """optimiser updates per rollout batch (ratios are taken against the rollout policy)"""
+    """passes over each rollout batch (PPO's epochs), each of --num-minibatches optimiser updates; every update's
+    ratios are taken against the rollout policy"""
+    num_minibatches: int = 1
+    """optimiser updates per pass over the rollout batch, each on an equal share of its prompts, groups whole (PPO's
+    minibatches; TRL's steps_per_generation, verl's ppo_mini_batch_size): a large batch, cheap to sample per token,
+    still makes frequent updates. Above 1 the rollout policy's log-probs take a pass of their own before the first
+    update, since each update moves the policy that later minibatches would be scored with"""
     micro_batch_size: int = 0
-    """completions per forward/backward pass (gradient accumulation); 0 = the whole local batch at once"""
+    """completions per forward/backward pass (gradient accumulation); 0 = a process's whole minibatch at once"""
     share_prompts: Literal["auto", "always", "never"] = "auto"
     """encode each prompt once per micro-batch in the reference and training passes, its keys and values shared by
     its completions; auto = when that skips at least 128 prompt positions, padding included (the break-even
@@ -1081,16 +1089,17 @@ def weight_counts(model) -> tuple[int, int]:
 
 def step_flops(body: int, head: int, *, unique_prompt_tokens: int, reference_prompt_tokens: int,
                update_prompt_tokens: int, completion_tokens: int, reference: bool, iterations: int,
-               full_finetune: bool) -> float:
+               full_finetune: bool, old_pass: bool = False) -> float:
     """Model FLOPs of one step, matmuls only (attention scores left out): 2 per weight per token forward; backward
     2 for the input gradients, and 2 more for the weight gradients of trained weights (not LoRA's frozen ones).
     The rollout prefills each distinct prompt once and feeds every generated token back; the reference pass and
     each update pass process the prompt tokens they encode (fewer when prompts are shared, see --share-prompts)
-    and the completions, with logits at the completion positions only."""
+    and the completions, with logits at the completion positions only; old_pass: the rollout policy's log-probs
+    take a forward pass of their own (--num-minibatches above 1), shaped as an update's."""
     def forward(prompt_tokens: int) -> int:
         return 2 * (body * (prompt_tokens + completion_tokens) + head * completion_tokens)
     rollout = 2 * body * unique_prompt_tokens + 2 * (body + head) * completion_tokens
-    update_passes = iterations * (3 if full_finetune else 2)
+    update_passes = iterations * (3 if full_finetune else 2) + int(old_pass)
     return rollout + int(reference) * forward(reference_prompt_tokens) + update_passes * forward(update_prompt_tokens)
 
 
@@ -1197,8 +1206,8 @@ def final_step(output_dir: str) -> Optional[int]:
 
 # what a checkpoint must agree on with the run that resumes from it
 RESUME_MUST_MATCH = ("model", "data_path", "lora_r", "lora_alpha", "lora_target_modules", "chat_template",
-                     "prompts_per_step", "group_size", "num_iterations", "loss_type", "importance_sampling", "kl_coef",
-                     "seed", "fsdp")
+                     "prompts_per_step", "group_size", "num_iterations", "num_minibatches", "loss_type",
+                     "importance_sampling", "kl_coef", "seed", "fsdp")
 
 
 def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
@@ -1257,8 +1266,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.group_size >= 2, f"--group-size must be at least 2 (got {args.group_size}): advantages compare "
           "completions of the same prompt")
     check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
-    check(args.total_steps >= 1 and args.prompts_per_step >= 1 and args.num_iterations >= 1,
-          "--total-steps, --prompts-per-step and --num-iterations must be at least 1")
+    check(min(args.total_steps, args.prompts_per_step, args.num_iterations, args.num_minibatches) >= 1,
+          "--total-steps, --prompts-per-step, --num-iterations and --num-minibatches must be at least 1")
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "
           "--loss-type dr_grpo also uses it as its constant normaliser")
     check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature}); evaluation is greedy anyway")
@@ -1278,10 +1287,14 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1 (got {args.keep_checkpoints})")
     check(args.prompts_per_step % world_size == 0, f"--prompts-per-step {args.prompts_per_step} must be "
           f"divisible by the number of processes ({world_size})")
-    local_batch = args.prompts_per_step // world_size * args.group_size
-    check(args.micro_batch_size <= local_batch, f"--micro-batch-size {args.micro_batch_size} is larger than the "
-          f"batch of {local_batch} completions per process (prompts per step / processes x group size)")
-    check(args.micro_batch_size >= 0, "--micro-batch-size must be >= 0 (0 = the whole batch at once)")
+    check(args.prompts_per_step % (world_size * args.num_minibatches) == 0, f"--prompts-per-step "
+          f"{args.prompts_per_step} must be divisible by --num-minibatches {args.num_minibatches} times the number "
+          f"of processes ({world_size}): every process holds an equal share of each minibatch")
+    minibatch = args.prompts_per_step // (world_size * args.num_minibatches) * args.group_size
+    check(args.micro_batch_size <= minibatch, f"--micro-batch-size {args.micro_batch_size} is larger than the "
+          f"minibatch of {minibatch} completions per process (prompts per step / processes / minibatches x group "
+          "size)")
+    check(args.micro_batch_size >= 0, "--micro-batch-size must be >= 0 (0 = the whole minibatch at once)")
     check(args.dtype != "bfloat16" or device.type != "cuda" or torch.cuda.is_bf16_supported(),
           "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
     check(not args.fsdp or device.type in FSDP_DEVICE_TYPES, "--fsdp needs CUDA: it shards the model over GPUs "
@@ -1315,7 +1328,8 @@ def train(args: Args) -> dict:
     is_main = rank == 0
     args.local_prompts = args.prompts_per_step // args.world_size
     local_batch = args.local_prompts * args.group_size
-    micro_batch = args.micro_batch_size or local_batch
+    minibatch_rows = local_batch // args.num_minibatches  # this process's completions in each optimiser update
+    micro_batch = args.micro_batch_size or minibatch_rows
     # (auto: bf16 only where the GPU has it natively; emulated, on a V100 or T4, it is slow)
     use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"
                                              and torch.cuda.is_bf16_supported(including_emulation=False))
@@ -1406,7 +1420,7 @@ def train(args: Args) -> dict:
     # fused: one kernel for all parameters instead of a loop of small ops (4-5x faster steps on CPU)
     optimizer = torch.optim.AdamW(master, lr=args.learning_rate, betas=args.adam_betas,
                                   weight_decay=args.weight_decay, eps=1e-8, fused=True)
-    total_updates = args.total_steps * args.num_iterations
+    total_updates = args.total_steps * args.num_iterations * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_updates))
 
     # ---- data
@@ -1657,8 +1671,13 @@ def train(args: Args) -> dict:
             # a group's advantages are all 0 exactly when its (valid) rewards are all equal
             zero_std_groups = (advantages.view(-1, args.group_size) == 0).all(dim=1).float().mean().item()
 
-            # 4. reference log-probs (no grad); old log-probs come free from the first iteration (see step 5)
-            row_slices = [slice(i, min(i + micro_batch, local_batch)) for i in range(0, local_batch, micro_batch)]
+            # 4. reference log-probs (no grad), and the rollout policy's ("old") with --num-minibatches above 1; with
+            # one minibatch they come free from the first iteration (see step 5). Each minibatch is a run of whole
+            # groups: process r's prompts are r, r + W, ... (W processes), so its minibatch j holds the prompts of
+            # the whole batch's minibatch j
+            minibatches = [slice(start, start + minibatch_rows) for start in range(0, local_batch, minibatch_rows)]
+            row_slices = [slice(i, min(i + micro_batch, rows.stop)) for rows in minibatches
+                          for i in range(rows.start, rows.stop, micro_batch)]
             # Each micro-batch is cut to its own longest prompt and completion: columns that are padding in all of its
             # rows change no log-prob and cost a position of every layer. Measured, tiny model, up to 64 new tokens,
             # micro-batches of 8: reference and update passes 10-17% faster; simulated, 8 x 8 completions of
@@ -1682,6 +1701,8 @@ def train(args: Args) -> dict:
                               prompt_sharing(rows, args.group_size, sharing_width, args.share_prompts))
                              for rows, prompt_width, completion_width, sharing_width
                              in zip(row_slices, longest_prompts, longest_completions, sharing_widths)]
+            micro_batches_of = [[part for part in micro_batches if part[0].start // minibatch_rows == minibatch]
+                                for minibatch in range(args.num_minibatches)]
             ref_logp = torch.zeros_like(sampler_logp)
             if args.kl_coef != 0.0:
                 # LoRA: the base model is the reference, with the adapter switched off; otherwise the frozen copy
@@ -1693,26 +1714,38 @@ def train(args: Args) -> dict:
                             reference_model, prompt_ids[mb, prompts], prompt_mask[mb, prompts],
                             completion_ids[mb, completions], completion_mask[mb, completions], args.temperature,
                             prompt_of_row=plan)[0]
+            old_logp = torch.zeros_like(sampler_logp)
+            if args.num_minibatches > 1:  # (in training mode, as the updates: no dropout, see disable_dropout)
+                with torch.no_grad():
+                    for mb, prompts, completions, plan in micro_batches:
+                        old_logp[mb, completions] = completion_logprobs(
+                            model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
+                            completion_mask[mb, completions], args.temperature,
+                            prompt_of_row=None if args.gradient_checkpointing else plan)[0]
             t_referenced = sync_clock()
             timings["reference"].append(t_referenced - t_rewarded)
 
-            # 5. update: num_iterations optimiser steps over the batch, accumulating micro-batches. The weights do not
-            # change within an iteration, so iteration 0's log-probs *are* the rollout policy's: kept as old_logp.
-            counts = torch.tensor([float(loss_mask.sum()), float(local_batch)], device=device)
+            # 5. update: num_iterations passes over the batch, each an optimiser step per minibatch, accumulating
+            # micro-batches. With one minibatch the weights do not change within an iteration, so iteration 0's
+            # log-probs *are* the rollout policy's: kept as old_logp. Each update's loss is normalised by its own
+            # minibatch's counts, over all processes.
+            counts = torch.stack([loss_mask.view(args.num_minibatches, -1).sum(1).float(),
+                                  torch.full((args.num_minibatches,), float(minibatch_rows), device=device)], 1)
             if distributed:
                 dist.all_reduce(counts)
-            total_tokens, total_sequences = counts[0].item(), int(counts[1].item())
-            old_logp = torch.zeros_like(sampler_logp)
+            counts = counts.tolist()  # [minibatches][tokens, sequences]
             stat_sums: dict[str, torch.Tensor] = {}  # token-weighted sums, kept on the device: no sync per micro-batch
-            for iteration in range(args.num_iterations):
+            reported_losses, reported_grad_norms = [], []
+            for iteration, minibatch in itertools.product(range(args.num_iterations), range(args.num_minibatches)):
                 loss_sum = torch.zeros((), device=device)
                 reported = iteration == args.num_iterations - 1  # the last iteration's view of the batch is logged
-                for mb, prompts, completions, plan in micro_batches:
+                total_tokens, total_sequences = counts[minibatch][0], int(counts[minibatch][1])
+                for mb, prompts, completions, plan in micro_batches_of[minibatch]:
                     logp, entropy = completion_logprobs(
                         model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
                         completion_mask[mb, completions], args.temperature, with_entropy=reported,
                         prompt_of_row=None if args.gradient_checkpointing else plan)  # [b, t]
-                    if iteration == 0:
+                    if iteration == 0 and args.num_minibatches == 1:
                         old_logp[mb, completions] = logp.detach()
                     loss, stats = grpo_loss(
                         logp, old_logp[mb, completions], ref_logp[mb, completions], advantages[mb],
@@ -1751,6 +1784,9 @@ def train(args: Args) -> dict:
                 if distributed:  # every process must take the same decision below
                     dist.all_reduce(loss_sum)
                 loss_value = loss_sum.item()
+                if reported:
+                    reported_losses.append(loss_value)
+                    reported_grad_norms.append(grad_norm.item())
                 if math.isfinite(loss_value) and torch.isfinite(grad_norm):
                     bad_steps_in_a_row = 0
                     if total_tokens > 0:  # no token in the loss: AdamW's momentum alone would still move the weights
@@ -1787,6 +1823,7 @@ def train(args: Args) -> dict:
                 reference_prompt_tokens=shared if args.kl_coef != 0.0 else 0,
                 update_prompt_tokens=every_row if args.gradient_checkpointing else shared,
                 completion_tokens=n_generated, reference=args.kl_coef != 0.0, iterations=args.num_iterations,
+                old_pass=args.num_minibatches > 1,
                 full_finetune=args.lora_r == 0))
             # every figure is a sum over the batch, so that summing over processes gives the whole batch's: token-
             # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
@@ -1820,9 +1857,11 @@ def train(args: Args) -> dict:
             local = {
                 **{name: ratio(f"{name}/sum", f"{name}/count") for name in per_completion},
                 "reward_std": math.sqrt(max(squares - total ** 2 / count, 0.0) / (count - 1)) if count > 1 else 0.0,
-                "loss": loss_value,  # already summed over processes (each one's is its share of the mean)
+                # the last iteration's, a mean over its minibatches' updates (each already summed over processes:
+                # each one's loss is its share of the mean)
+                "loss": float(np.mean(reported_losses)),
                 **{key: ratio(key, "tokens") for key in stat_sums if key != "tokens"},  # NaN: no token in the loss
-                "grad_norm": grad_norm.item(),
+                "grad_norm": float(np.mean(reported_grad_norms)),
                 "frac_zero_std_groups": ratio("zero_std_groups/sum", "groups"),
                 "completion_length": ratio("completion_length/sum", "completions"),
                 "truncated_frac": ratio("truncated/sum", "completions"),

@@ -123,7 +123,8 @@ def test_fsdp_equals_one_process_and_resumes_exactly(script, flags, tmp_path):
 
 @pytest.mark.parametrize("script, flags", [
     ("grpo", ["--total-steps", "2", "--prompts-per-step", "4", "--group-size", "8", "--lora-r", "8",
-              "--kl-coef", "0.05", "--eval-every", "0", "--num-eval-prompts", "8", "--share-prompts", "always"]),
+              "--kl-coef", "0.05", "--eval-every", "0", "--num-eval-prompts", "8", "--share-prompts", "always",
+              "--num-minibatches", "2"]),  # (each process holds one prompt of each minibatch)
     ("prm", ["--total-steps", "2", "--batch-size", "16", "--lora-r", "8", "--eval-every", "0",
              "--num-eval-rows", "40", "--num-val-rows", "40"]),
 ])

@@ -71,6 +71,10 @@ BAD_INPUTS = {
     "negative lora rank": (lambda tmp: ["--lora-r", "-1"], "--lora-r must be >= 0"),
     "group of one": (lambda tmp: ["--group-size", "1"], "--group-size must be at least 2"),
     "micro-batch larger than batch": (lambda tmp: ["--micro-batch-size", "1000"], "--micro-batch-size 1000 is larger"),
+    "micro-batch larger than a minibatch": (lambda tmp: ["--num-minibatches", "2", "--micro-batch-size", "9"],
+                                            "--micro-batch-size 9 is larger than the minibatch of 8 completions"),
+    "minibatches of unequal shares": (lambda tmp: ["--num-minibatches", "3"],
+                                      "--prompts-per-step 4 must be divisible by --num-minibatches 3"),
     "dr_grpo without a length": (lambda tmp: ["--loss-type", "dr_grpo", "--max-new-tokens", "0"],
                                  "--max-new-tokens must be at least 1"),
     "delta inside the clip range": (lambda tmp: ["--delta", "1.1"], "--delta 1.1 must be above"),
@@ -631,11 +635,14 @@ def test_keep_checkpoints_keeps_the_newest(tmp_path):
     assert not list(out.glob("*.tmp"))
 
 
-def test_two_processes_make_the_same_update_as_one(tmp_path):
+@pytest.mark.parametrize("minibatches", ["1", "2"])
+def test_two_processes_make_the_same_update_as_one(minibatches, tmp_path):
     """dapo: each process's token sum is divided by the token count of both. A wrong normaliser shows in the loss
-    and the gradient norm; the weights after Adam's first step hide a gradient scale."""
+    and the gradient norm; the weights after Adam's first step hide a gradient scale. With 2 minibatches each
+    process holds one prompt of each, and each update is normalised by its minibatch's counts over both."""
     flags = ["--total-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-             "--num-eval-prompts", "8", "--kl-coef", "0.05", "--loss-type", "dapo", "--learning-rate", "1e-3"]
+             "--num-eval-prompts", "8", "--kl-coef", "0.05", "--loss-type", "dapo", "--learning-rate", "1e-3",
+             "--num-minibatches", minibatches]
     single = tmp_path / "single"
     run_grpo(single, *flags)
     double = tmp_path / "double"

@@ -3,6 +3,7 @@ spies on the kernel or library call a flag is meant to change (calling through),
 flag that stopped being passed on inside train() fails here even though the kernels' own tests still pass."""
 
 import json
+import math
 import statistics
 import types
 
@@ -459,6 +460,49 @@ def test_wandb_that_cannot_start_is_a_warning(tmp_path, capsys, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 8. --num-minibatches
+
+
+def test_each_minibatch_is_an_update_scored_against_the_rollout_policy(tmp_path, capsys, monkeypatch):
+    """--num-minibatches 2 --num-iterations 2: four updates in the step, alternating between the two halves of the
+    batch (whole groups, in order), each normalised by its own half's counts. Every update's old log-probs are the
+    rollout policy's (the sampler's, to rounding), so the second half's ratios already move at its first update:
+    the first update changed the weights it is scored with."""
+    sampled, calls = [], []
+    spy_on(monkeypatch, "generate", lambda args, kwargs, result: sampled.append(result))
+    spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: calls.append((args, kwargs, result)))
+    norms = grad_norms_seen_by_the_optimiser(lambda: train_in_process(
+        tmp_path / "run", [*ONE_STEP, "--num-minibatches", "2", "--num-iterations", "2", "--kl-coef", "0.05",
+                           "--learning-rate", "1e-2"], capsys))
+    _, completion_mask, sampler_logp = sampled[0]  # [16, T]: 4 prompts x 4 completions
+    assert len(norms) == len(calls) == 4  # one micro-batch per minibatch: the whole half
+    moved = []
+    for call, ((logp, old_logp, _, _, mask), kwargs, _) in enumerate(calls):
+        rows = slice(0, 8) if call % 2 == 0 else slice(8, 16)
+        width = logp.shape[1]
+        assert torch.equal(mask, completion_mask[rows, :width].to(mask.dtype))  # this half's completions
+        assert kwargs["total_sequences"] == 8 and kwargs["total_tokens"] == float(completion_mask[rows].sum())
+        assert ((old_logp - sampler_logp[rows, :width]) * mask).abs().max() < 1e-5
+        moved.append(((logp.detach() - old_logp) * mask).abs().max().item())
+    assert moved[0] < 1e-5  # the first update: the weights that sampled the batch
+    assert min(moved[1:]) > 1e-3, moved  # each later one: weights that earlier updates moved
+
+
+def test_the_schedule_counts_every_minibatch_update(tmp_path, capsys):
+    """The learning-rate schedule runs over total steps x iterations x minibatches updates: with 2 steps of 2
+    minibatches the cosine is at 0, 1/4, 1/2 and 3/4 of its half period at the four updates."""
+    rates = []
+    handle = register_optimizer_step_pre_hook(lambda optimizer, *_: rates.append(optimizer.param_groups[0]["lr"]))
+    try:
+        train_in_process(tmp_path / "run", [*QUICK, "--total-steps", "2", "--num-eval-prompts", "0",
+                                            "--num-minibatches", "2", "--lr-schedule", "cosine",
+                                            "--learning-rate", "1e-3"], capsys)
+    finally:
+        handle.remove()
+    assert rates == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)], rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Wiring that a helper's mutation audit found untested: each test fails on the mutation named in its docstring
 
 
@@ -595,8 +639,8 @@ def test_resume_keeps_the_schedules_position(tmp_path, capsys):
 
 OTHER_SETTINGS = {"model": "other", "data_path": "x.jsonl", "lora_r": 4, "lora_alpha": 8, "lora_target_modules":
                   "q_proj", "chat_template": False, "prompts_per_step": 8, "group_size": 8, "num_iterations": 2,
-                  "loss_type": "grpo", "importance_sampling": "sequence", "kl_coef": 0.5, "seed": 2,
-                  "fsdp": True}  # not read from RESUME_MUST_MATCH
+                  "num_minibatches": 2, "loss_type": "grpo", "importance_sampling": "sequence", "kl_coef": 0.5,
+                  "seed": 2, "fsdp": True}  # not read from RESUME_MUST_MATCH
 
 
 @pytest.mark.parametrize("key", OTHER_SETTINGS)
