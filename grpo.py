@@ -1406,12 +1406,10 @@ def train(args: Args) -> dict:
     # more of the tiny model's 17 ms step, for 90 s of compiling, recompiled at each change of arguments or strides
     decode_forward = model
     if args.compile_decoding:
-        from torch._inductor import config as inductor_config
-
-        # round each fused intermediate to bf16 as eager does: kept in fp32, the sampler's bf16 log-probs left the
-        # eager training pass's (2 new tokens: logp_gap_max 0 -> 0.003-0.008), a mismatch the ratio would carry
-        inductor_config.emulate_precision_casts = True
-        decode_forward = torch.compile(model, dynamic=True)
+        # emulate_precision_casts (inductor's config, for this compile only): round each fused intermediate to bf16
+        # as eager does; kept in fp32, the sampler's bf16 log-probs left the eager training pass's (2 new tokens:
+        # logp_gap_max 0 -> 0.003-0.008), a mismatch the ratio would carry
+        decode_forward = torch.compile(model, dynamic=True, options={"emulate_precision_casts": True})
     trainable = [p for p in model.parameters() if p.requires_grad]
     # bf16 weights round away updates smaller than ~1/256 of the weight; the optimiser steps fp32 master
     # copies and writes them back (LoRA adapters are already fp32, peft's default)
