@@ -172,9 +172,10 @@ class Args:
     ratios are taken against the rollout policy"""
     num_minibatches: int = 1
     """optimiser updates per pass over the rollout batch, each on an equal share of its prompts, groups whole (PPO's
-    minibatches; TRL's steps_per_generation, verl's ppo_mini_batch_size): a large batch, cheap to sample per token,
-    still makes frequent updates. Above 1 the rollout policy's log-probs take a pass of their own before the first
-    update, since each update moves the policy that later minibatches would be scored with"""
+    minibatches; TRL's steps_per_generation / gradient_accumulation_steps, verl's train_batch_size /
+    ppo_mini_batch_size): a large batch, cheap to sample per token, still makes frequent updates. Above 1 the
+    rollout policy's log-probs take a pass of their own before the first update, since each update moves the policy
+    that later minibatches would be scored with"""
     micro_batch_size: int = 0
     """completions per forward/backward pass (gradient accumulation); 0 = a process's whole minibatch at once"""
     share_prompts: Literal["auto", "always", "never"] = "auto"
@@ -1431,8 +1432,10 @@ def train(args: Args) -> dict:
         train_rows, eval_rows = load_jsonl_prompts(args.data_path), []
     if args.eval_data_path:  # replaces the built-in held-out prompts too
         eval_rows = load_jsonl_prompts(args.eval_data_path)[:args.num_eval_prompts]
-    # a short hash of the training rows, kept with the trainer state: resuming on other rows is an error
-    fingerprint = hashlib.sha256(json.dumps([[r["prompt"], r["answer"]] for r in train_rows]).encode()).hexdigest()[:16]
+    # short hashes of the rows, kept with the trainer state: resuming on other training rows is an error, and the
+    # accuracies a checkpoint keeps are reused only on the same held-out rows
+    fingerprint, eval_fingerprint = (hashlib.sha256(json.dumps([[r["prompt"], r["answer"]] for r in rows]).encode())
+                                     .hexdigest()[:16] for rows in (train_rows, eval_rows))
     # every prompt checked now, before anything is written: too long, empty, or no room left to complete it
     longest = max(len(ids) for ids in encode_prompts(
         tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template, args.max_prompt_length,
@@ -1502,9 +1505,11 @@ def train(args: Args) -> dict:
         for p, m in mastered:
             p.data.copy_(m.data)
         start_step, bad_steps_in_a_row, skipped_updates = state["step"], state["bad_steps"], state["skipped"]
-        # the held-out accuracies at step 0 and at the checkpoint's last evaluation (None where it lacks one: the last
-        # in final/, written before the final evaluation; both in a checkpoint of an older version of this script)
-        saved_eval_start, saved_eval_last = state.get("eval_start"), state.get("eval_last")
+        # the held-out accuracies at step 0 and at the checkpoint's last evaluation, unless it was on other held-out
+        # rows (older checkpoints record neither the rows nor the last; final/ has no last: it is written before the
+        # final evaluation)
+        if state.get("eval_rows", eval_fingerprint) == eval_fingerprint:
+            saved_eval_start, saved_eval_last = state.get("eval_start"), state.get("eval_last")
         set_rng_state(state["rng"])
         # nothing left to train: the final model and summary stay as they are (without final/, a signal stopped the
         # run in its last step, and it goes on to the final evaluation and model)
@@ -1573,7 +1578,7 @@ def train(args: Args) -> dict:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(), "dtype": str(dtype),
-                "data": fingerprint, "eval_start": eval_accuracy_start,
+                "data": fingerprint, "eval_rows": eval_fingerprint, "eval_start": eval_accuracy_start,
                 "eval_last": eval_accuracy if evaluated else None,
                 "master": [m.detach().cpu() for _, m in mastered]},
                 saved_config, weights, base_model)
@@ -1599,8 +1604,11 @@ def train(args: Args) -> dict:
         return accuracy
 
     # a resume takes the figures from its checkpoint (the summary reads as one run, started at step 0) and spends no
-    # evaluation before its first step where the checkpoint knows them
-    eval_accuracy = saved_eval_last if saved_eval_last is not None else run_eval(start_step)
+    # evaluation before its first step where the checkpoint knows them, nor one that the final evaluation repeats
+    if saved_eval_last is not None:
+        eval_accuracy = saved_eval_last
+    else:
+        eval_accuracy = run_eval(start_step) if start_step < args.total_steps else float("nan")
     eval_accuracy_start = saved_eval_start if saved_eval_start is not None else eval_accuracy
     if resume_path is None and eval_rows:  # a row of its own, so that the logged eval curve starts at step 0
         logger.log(0, {"eval_accuracy": eval_accuracy})

@@ -114,6 +114,13 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
     assert not out.exists()  # nothing written
 
 
+def test_minibatches_must_give_every_process_an_equal_share():
+    """4 prompts over 2 processes and 2 minibatches: one prompt each; 2 prompts would leave a process without one."""
+    grpo.validate_args(grpo.Args(prompts_per_step=4, num_minibatches=2), 2, torch.device("cpu"))
+    with pytest.raises(grpo.UserError, match=r"--num-minibatches 2 times the number of processes \(2\)"):
+        grpo.validate_args(grpo.Args(prompts_per_step=2, num_minibatches=2), 2, torch.device("cpu"))
+
+
 def test_completions_beyond_the_context(tmp_path, capsys):
     """GPT-2 learns a table of positions and has no row past it: a prompt plus --max-new-tokens beyond it is an
     error up front (it was an IndexError in the embedding, a device-side assert on CUDA). Rotary positions run on
@@ -443,6 +450,44 @@ def test_a_resume_takes_its_evaluations_from_the_checkpoint(tmp_path, capsys, mo
     assert accuracies[4:] == [0.625, 0.75]  # at its start (final/ does not hold the final evaluation) and end
     summary = read_summary(run)
     assert summary["eval_accuracy_start"] == 0.125 and summary["eval_accuracy_end"] == 0.75
+
+
+def test_a_resume_evaluates_first_where_its_checkpoint_has_no_figure_for_its_rows(tmp_path, capsys, monkeypatch):
+    """A checkpoint's accuracies are reused only on the held-out rows they were measured on: resumed with another
+    --eval-data-path, the run evaluates at its start, and that is its start figure too. A checkpoint written
+    before the last accuracy was kept gives its start figure only. A resume with nothing left to train evaluates
+    once, at the end."""
+    accuracies = []
+
+    def distinct_accuracies(*args, **kwargs):
+        accuracies.append(0.125 * (len(accuracies) + 1))
+        return accuracies[-1], []
+
+    monkeypatch.setattr(grpo, "evaluate", distinct_accuracies)
+    run = tmp_path / "run"
+    flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2", "--save-every", "1"]
+    assert run_main(flags, capsys)[0] == 0  # at steps 0 and 2
+    rows = tmp_path / "eval.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"({n}+7)%10=", "answer": str((n + 7) % 10)}) + "\n"
+                            for n in range(100, 104)))
+    assert run_main([*flags, "--eval-data-path", str(rows), "--resume-from", str(run / "checkpoint-1")],
+                    capsys)[0] == 0
+    assert accuracies[2:] == [0.375, 0.5]  # at its start (step 1) and end
+    assert read_summary(run)["eval_accuracy_start"] == 0.375
+    state_path = run / "checkpoint-1" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+    assert state["eval_start"] == 0.125 and state["eval_last"] == 0.125
+    for key in ("eval_rows", "eval_last"):  # as an older version wrote it
+        del state[key]
+    torch.save(state, state_path)
+    assert run_main([*flags, "--resume-from", str(state_path.parent)], capsys)[0] == 0
+    assert accuracies[4:] == [0.625, 0.75]
+    summary = read_summary(run)
+    assert summary["eval_accuracy_start"] == 0.125 and summary["eval_accuracy_end"] == 0.75
+    (run / "summary.json").unlink()  # as a stop during the final evaluation leaves it
+    code, out, _ = run_main([*flags, "--resume-from", str(run / "final")], capsys, with_stdout=True)  # at step 2
+    assert code == 0 and accuracies[6:] == [0.875] and "eval accuracy at step 2" in out
+    assert read_summary(run)["eval_accuracy_start"] == 0.125
 
 
 def test_resuming_with_another_lora_alpha_or_chat_template_is_refused(tmp_path, capsys):

@@ -463,29 +463,60 @@ def test_wandb_that_cannot_start_is_a_warning(tmp_path, capsys, monkeypatch):
 # 8. --num-minibatches
 
 
-def test_each_minibatch_is_an_update_scored_against_the_rollout_policy(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("micro_batch, dtype, sampler_tolerance", [("0", "float32", 1e-5), ("3", "bfloat16", 0.1)])
+def test_each_minibatch_is_an_update_scored_against_the_rollout_policy(micro_batch, dtype, sampler_tolerance,
+                                                                        tmp_path, capsys, monkeypatch):
     """--num-minibatches 2 --num-iterations 2: four updates in the step, alternating between the two halves of the
-    batch (whole groups, in order), each normalised by its own half's counts. Every update's old log-probs are the
-    rollout policy's (the sampler's, to rounding), so the second half's ratios already move at its first update:
-    the first update changed the weights it is scored with."""
-    sampled, calls = [], []
-    spy_on(monkeypatch, "generate", lambda args, kwargs, result: sampled.append(result))
+    batch (whole groups, in order; micro-batches of 3 rows cut at the half: 3 + 3 + 2), each normalised by its own
+    half's counts. Every update's old log-probs are the rollout policy's, from a pass of their own: equal to the
+    first update's own, not the sampler's (shifted here), so the second half's ratios already move at its first
+    update, which the first one's step moved. Logged: the last iteration's loss and gradient norm as means over its
+    updates, its token statistics over both halves, and the last update's learning rate."""
+    sampled, calls, flops_calls = [], [], []
+    real_generate = grpo.generate
+
+    def generate_with_shifted_logp(*args, **kwargs):  # train must not take the sampler's log-probs for the old ones
+        completion_ids, completion_mask, logp = real_generate(*args, **kwargs)
+        sampled.append((completion_ids, completion_mask, logp))
+        return completion_ids, completion_mask, logp + 0.5  # (they only feed the logged gap)
+
+    monkeypatch.setattr(grpo, "generate", generate_with_shifted_logp)
     spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: calls.append((args, kwargs, result)))
+    spy_on(monkeypatch, "step_flops", lambda args, kwargs, result: flops_calls.append(kwargs))
     norms = grad_norms_seen_by_the_optimiser(lambda: train_in_process(
         tmp_path / "run", [*ONE_STEP, "--num-minibatches", "2", "--num-iterations", "2", "--kl-coef", "0.05",
-                           "--learning-rate", "1e-2"], capsys))
+                           "--learning-rate", "1e-2", "--micro-batch-size", micro_batch, "--dtype", dtype,
+                           "--max-grad-norm", "0", "--lr-schedule", "cosine"], capsys))
     _, completion_mask, sampler_logp = sampled[0]  # [16, T]: 4 prompts x 4 completions
-    assert len(norms) == len(calls) == 4  # one micro-batch per minibatch: the whole half
-    moved = []
-    for call, ((logp, old_logp, _, _, mask), kwargs, _) in enumerate(calls):
-        rows = slice(0, 8) if call % 2 == 0 else slice(8, 16)
+    calls_per_update = len(calls) // 4
+    assert len(norms) == 4 and calls_per_update == (1 if micro_batch == "0" else 3)
+    moved, update_losses, stats_of_last_iteration = [], [0.0] * 4, []
+    for call, ((logp, old_logp, _, _, mask), kwargs, (loss, stats)) in enumerate(calls):
+        update, part = divmod(call, calls_per_update)
+        first_row = 8 * (update % 2) + (0 if part == 0 else 3 * part)
+        rows = slice(first_row, first_row + logp.shape[0])
+        assert rows.stop <= 8 * (update % 2) + 8  # within this update's half
         width = logp.shape[1]
-        assert torch.equal(mask, completion_mask[rows, :width].to(mask.dtype))  # this half's completions
-        assert kwargs["total_sequences"] == 8 and kwargs["total_tokens"] == float(completion_mask[rows].sum())
-        assert ((old_logp - sampler_logp[rows, :width]) * mask).abs().max() < 1e-5
+        assert torch.equal(mask, completion_mask[rows, :width].to(mask.dtype))
+        half = slice(8 * (update % 2), 8 * (update % 2) + 8)
+        assert kwargs["total_sequences"] == 8 and kwargs["total_tokens"] == float(completion_mask[half].sum())
+        assert ((old_logp - sampler_logp[rows, :width]) * mask).abs().max() < sampler_tolerance
         moved.append(((logp.detach() - old_logp) * mask).abs().max().item())
-    assert moved[0] < 1e-5  # the first update: the weights that sampled the batch
-    assert min(moved[1:]) > 1e-3, moved  # each later one: weights that earlier updates moved
+        update_losses[update] += loss.item()
+        if update >= 2:  # (train pops the token count from stats: the mask's)
+            stats_of_last_iteration.append((stats["ratio_mean"].item(), mask.sum().item()))
+    assert rows.stop == 16  # every row of the second half
+    assert max(moved[:calls_per_update]) < 1e-6  # the first update: the weights that sampled the batch
+    assert min(moved[calls_per_update:]) > 1e-3, moved  # each later one: weights that earlier updates moved
+    row = read_metrics(tmp_path / "run")[0]
+    assert row["logp_gap_mean"] == pytest.approx(0.5, abs=sampler_tolerance)
+    assert row["loss"] == pytest.approx((update_losses[2] + update_losses[3]) / 2, rel=1e-5)
+    assert row["grad_norm"] == pytest.approx((norms[2] + norms[3]) / 2, rel=1e-4)  # (unclipped: --max-grad-norm 0)
+    tokens = sum(n for _, n in stats_of_last_iteration)
+    assert tokens == completion_mask.sum()  # both halves
+    assert row["ratio_mean"] == pytest.approx(sum(r * n for r, n in stats_of_last_iteration) / tokens, rel=1e-6)
+    assert row["learning_rate"] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 3 / 4)), rel=1e-9)
+    assert flops_calls[0]["old_pass"] and flops_calls[0]["iterations"] == 2
 
 
 def test_the_schedule_counts_every_minibatch_update(tmp_path, capsys):
