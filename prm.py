@@ -1465,6 +1465,7 @@ def train(args: Args) -> dict:
                                   weight_decay=args.weight_decay, eps=1e-8, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, args.total_steps))
     fingerprint = data_fingerprint(train_rows, val_rows)
+    eval_fingerprint = data_fingerprint(eval_rows)  # the saved eval figures are reused only on the same rows
 
     # ---- resume: optimiser, scheduler, counters, RNG; the data position is the step number
     start_step = 0
@@ -1497,7 +1498,8 @@ def train(args: Args) -> dict:
             set_rng_state(states[rank] if rank < len(states) else states[0])
             if len(states) != args.world_size and distributed:  # another process count: each its own stream again
                 torch.manual_seed(int(np.random.SeedSequence([args.seed, start_step, rank]).generate_state(1)[0]))
-            saved_eval = state["eval_start"], state["eval_last"]
+            if state.get("eval_rows", eval_fingerprint) == eval_fingerprint:  # (older checkpoints do not record it)
+                saved_eval = state["eval_start"], state["eval_last"]
         except (KeyError, ValueError, RuntimeError) as error:  # another format, or another set of parameters
             raise UserError(f"--resume-from {resume_path}: its trainer_state.pt does not fit this run "
                             f"({type(error).__name__}: {str(error).strip().splitlines()[0]})") from None
@@ -1578,13 +1580,13 @@ def train(args: Args) -> dict:
                             [e["all_labels"] for e in eval_examples], val_threshold)
     if saved_eval is not None:  # the step-0 figures come from the checkpoint: the summary reads as one run
         eval_start, eval_metrics = saved_eval
-    else:
+    else:  # (a resume evaluates here only on other held-out rows than its checkpoint's, or an older checkpoint's)
         eval_start = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size) if evaluates else {}
         eval_metrics = eval_start
-        print0("eval at step 0: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_start.items())
+        print0(f"eval at step {start_step}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_start.items())
                + f" (position-only baseline: auroc {baseline['eval_auroc']:.3f}, "
                f"first_error_f1 {baseline['eval_first_error_f1']:.3f})", enabled=is_main)
-        if eval_examples:  # a row of its own, so that the logged eval curves start at step 0
+        if eval_examples and resume_path is None:  # a row of its own, so that the logged eval curves start at step 0
             logger.log(0, eval_start)
     step_times, step_tokens, memory_samples = [], [], []
     run_start = time.perf_counter()
@@ -1608,6 +1610,7 @@ def train(args: Args) -> dict:
                 "master": [m.detach().cpu() for _, m in mastered],
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_states,
                 "eval_start": eval_start, "eval_last": eval_metrics, "data_fingerprint": fingerprint,
+                "eval_rows": eval_fingerprint,
                 "dtype": str(dtype).removeprefix("torch."),  # checked on resume: the masters exist only for bf16
                 # informational: where the next batch starts (rebuilt from the step number on resume)
                 "data_position": {"epoch": step * args.batch_size // len(train_examples),

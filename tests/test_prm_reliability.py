@@ -613,6 +613,28 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
     assert all("step_time_s" in row for row in read_all_metrics(out))  # no eval rows: no evaluation rows
 
 
+def test_a_resume_reuses_its_checkpoints_evaluations_only_on_the_same_held_out_rows(tmp_path, capsys, monkeypatch):
+    """A checkpoint keeps the step-0 and last evaluations: resumed on the same held-out rows the run evaluates only
+    at its end, and its summary starts at step 0; on other rows (another --eval-data-path) it evaluates at its
+    start step too, which its summary then starts from, and logs no second step-0 row."""
+    calls, real_evaluate = [], prm.evaluate_prm
+    monkeypatch.setattr(prm, "evaluate_prm", lambda *args, **kwargs: calls.append(1) or real_evaluate(*args, **kwargs))
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
+             "--save-every", "1", "--num-eval-rows", "8"]
+    same_rows = ["--eval-data-path", str(write_rows(tmp_path / "eval.jsonl", builtin_rows(8)))]
+    other_rows = ["--eval-data-path", str(write_rows(tmp_path / "other.jsonl", builtin_rows(16)[8:]))]
+    assert run_main([*flags, *same_rows], capsys)[0] == 0 and len(calls) == 2  # at steps 0 and 2
+    start = read_summary(out)["eval_auroc_start"]
+    assert run_main([*flags, *same_rows, "--resume-from", str(out / "checkpoint-1")], capsys)[0] == 0
+    assert len(calls) == 3 and read_summary(out)["eval_auroc_start"] == start
+    code, stdout, _ = run_main([*flags, *other_rows, "--resume-from", str(out / "checkpoint-1")], capsys,
+                               with_stdout=True)
+    assert code == 0 and len(calls) == 5 and "eval at step 1:" in stdout and "eval at step 0:" not in stdout
+    assert [row["step"] for row in read_all_metrics(out)] == [0, 1, 2, 2]
+    assert read_summary(out)["eval_auroc_start"] != start
+
+
 def test_a_stop_after_the_final_evaluation_row_logs_it_once(tmp_path, capsys, monkeypatch):
     """A Ctrl-C after the final evaluation's row is logged but before the summary is written (while scoring, say):
     the resume does that evaluation again and logs its row in place of the old one, not beside it."""
