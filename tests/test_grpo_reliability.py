@@ -414,17 +414,24 @@ def test_a_stop_signal_during_the_final_save_skips_the_final_evaluation(tmp_path
     assert code == 0 and "eval accuracy at step 2" in out and read_summary(run)["steps"] == 2
 
 
+def distinct_accuracies(monkeypatch) -> list[float]:
+    """Stub grpo.evaluate to return 0.125, 0.25, 0.375, ... in call order (the tiny model's held-out accuracies are
+    all 0.0 in a short run, so a figure taken from the wrong evaluation would go unseen); returns those given."""
+    accuracies = []
+
+    def evaluate(*args, **kwargs):
+        accuracies.append(0.125 * (len(accuracies) + 1))
+        return accuracies[-1], []
+
+    monkeypatch.setattr(grpo, "evaluate", evaluate)
+    return accuracies
+
+
 def test_a_resume_takes_its_evaluations_from_the_checkpoint(tmp_path, capsys, monkeypatch):
     """A resume from checkpoint-STEP evaluates nothing before its first step (on a real model, minutes of
     generation): its summary starts at the run's step-0 accuracy, and until it evaluates, its last accuracy is the
     checkpoint's. final/ is written before the final evaluation, so a run taken further from it evaluates first."""
-    accuracies = []
-
-    def distinct_accuracies(*args, **kwargs):  # the tiny model's would all be 0.0: a mix-up would go unseen
-        accuracies.append(0.125 * (len(accuracies) + 1))
-        return accuracies[-1], []
-
-    monkeypatch.setattr(grpo, "evaluate", distinct_accuracies)
+    accuracies = distinct_accuracies(monkeypatch)
     run = tmp_path / "run"
     flags = [*QUICK, "--output-dir", str(run), "--eval-every", "2", "--save-every", "2"]
     assert run_main(flags, capsys)[0] == 0  # at steps 0, 2 and 3 (the end)
@@ -457,13 +464,7 @@ def test_a_resume_evaluates_first_where_its_checkpoint_has_no_figure_for_its_row
     --eval-data-path, the run evaluates at its start, and that is its start figure too. A checkpoint written
     before the last accuracy was kept gives its start figure only. A resume with nothing left to train evaluates
     once, at the end."""
-    accuracies = []
-
-    def distinct_accuracies(*args, **kwargs):
-        accuracies.append(0.125 * (len(accuracies) + 1))
-        return accuracies[-1], []
-
-    monkeypatch.setattr(grpo, "evaluate", distinct_accuracies)
+    accuracies = distinct_accuracies(monkeypatch)
     run = tmp_path / "run"
     flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2", "--save-every", "1"]
     assert run_main(flags, capsys)[0] == 0  # at steps 0 and 2

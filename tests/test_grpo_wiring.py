@@ -12,7 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import grpo
-from test_grpo_reliability import run_main
+from test_grpo_reliability import distinct_accuracies, run_main
 from test_grpo_runs import QUICK, read_all_metrics, read_metrics, read_summary, save_tiny
 
 # one step of 4 prompts x 4 completions, no held-out evaluation (so reward functions only see training samples)
@@ -419,13 +419,7 @@ def test_eval_every_logs_eval_accuracy_before_the_last_step(tmp_path, capsys, mo
     """README: `eval_accuracy` every --eval-every steps, in the training rows before the last; the evaluations at
     the start and after the last step get rows of their own (and are in summary.json). The held-out evaluation runs
     at the start, after steps 1 and 2, and at the end: once each."""
-    accuracies = []
-
-    def distinct_accuracies(*args, **kwargs):  # the tiny model's would all be 0.0: a mix-up would go unseen
-        accuracies.append(0.125 * (len(accuracies) + 1))
-        return accuracies[-1], []
-
-    monkeypatch.setattr(grpo, "evaluate", distinct_accuracies)
+    accuracies = distinct_accuracies(monkeypatch)
     out = tmp_path / "run"
     metrics = train_in_process(out, [*QUICK, "--total-steps", "3", "--eval-every", "1", "--num-eval-prompts", "8"],
                                capsys)
