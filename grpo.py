@@ -173,9 +173,9 @@ class Args:
     num_minibatches: int = 1
     """optimiser updates per pass over the rollout batch, each on an equal share of its prompts, groups whole (PPO's
     minibatches; TRL's steps_per_generation / gradient_accumulation_steps, verl's train_batch_size /
-    ppo_mini_batch_size): a large batch, cheap to sample per token, still makes frequent updates. Above 1 the
-    rollout policy's log-probs take a pass of their own before the first update, since each update moves the policy
-    that later minibatches would be scored with"""
+    ppo_mini_batch_size): a large batch, cheap to sample per token, still makes frequent updates. Above 1 the later
+    minibatches' rollout-policy log-probs take a pass of their own before the first update, since each update moves
+    the policy that they would be scored with"""
     micro_batch_size: int = 0
     """completions per forward/backward pass (gradient accumulation); 0 = a process's whole minibatch at once"""
     share_prompts: Literal["auto", "always", "never"] = "auto"
@@ -1090,18 +1090,19 @@ def weight_counts(model) -> tuple[int, int]:
 
 def step_flops(body: int, head: int, *, unique_prompt_tokens: int, reference_prompt_tokens: int,
                update_prompt_tokens: int, completion_tokens: int, reference: bool, iterations: int,
-               full_finetune: bool, old_pass: bool = False) -> float:
+               full_finetune: bool, old_prompt_tokens: int = 0, old_completion_tokens: int = 0) -> float:
     """Model FLOPs of one step, matmuls only (attention scores left out): 2 per weight per token forward; backward
     2 for the input gradients, and 2 more for the weight gradients of trained weights (not LoRA's frozen ones).
     The rollout prefills each distinct prompt once and feeds every generated token back; the reference pass and
     each update pass process the prompt tokens they encode (fewer when prompts are shared, see --share-prompts)
-    and the completions, with logits at the completion positions only; old_pass: the rollout policy's log-probs
-    take a forward pass of their own (--num-minibatches above 1), shaped as an update's."""
-    def forward(prompt_tokens: int) -> int:
-        return 2 * (body * (prompt_tokens + completion_tokens) + head * completion_tokens)
+    and the completions, with logits at the completion positions only. old_*: the tokens of the forward pass that
+    takes the rollout policy's log-probs of the minibatches after the first (--num-minibatches above 1)."""
+    def forward(prompt_tokens: int, completions: int = completion_tokens) -> int:
+        return 2 * (body * (prompt_tokens + completions) + head * completions)
     rollout = 2 * body * unique_prompt_tokens + 2 * (body + head) * completion_tokens
-    update_passes = iterations * (3 if full_finetune else 2) + int(old_pass)
-    return rollout + int(reference) * forward(reference_prompt_tokens) + update_passes * forward(update_prompt_tokens)
+    update_passes = iterations * (3 if full_finetune else 2)
+    return (rollout + int(reference) * forward(reference_prompt_tokens) + update_passes * forward(update_prompt_tokens)
+            + forward(old_prompt_tokens, old_completion_tokens))
 
 
 @torch.no_grad()
@@ -1677,10 +1678,9 @@ def train(args: Args) -> dict:
             # a group's advantages are all 0 exactly when its (valid) rewards are all equal
             zero_std_groups = (advantages.view(-1, args.group_size) == 0).all(dim=1).float().mean().item()
 
-            # 4. reference log-probs (no grad), and the rollout policy's ("old") with --num-minibatches above 1; with
-            # one minibatch they come free from the first iteration (see step 5). Each minibatch is a run of whole
-            # groups: process r's prompts are r, r + W, ... (W processes), so its minibatch j holds the prompts of
-            # the whole batch's minibatch j
+            # 4. reference log-probs (no grad), and the rollout policy's ("old") of the minibatches after the first
+            # (see step 5). Each minibatch is a run of whole groups: process r's prompts are r, r + W, ... (W
+            # processes), so its minibatch j holds the prompts of the whole batch's minibatch j
             minibatches = [slice(start, start + minibatch_rows) for start in range(0, local_batch, minibatch_rows)]
             row_slices = [slice(i, min(i + micro_batch, rows.stop)) for rows in minibatches
                           for i in range(rows.start, rows.stop, micro_batch)]
@@ -1720,21 +1720,23 @@ def train(args: Args) -> dict:
                             reference_model, prompt_ids[mb, prompts], prompt_mask[mb, prompts],
                             completion_ids[mb, completions], completion_mask[mb, completions], args.temperature,
                             prompt_of_row=plan)[0]
+            # the first minibatch's old log-probs come free from its first update's forward, before any step; each
+            # update moves the policy that later ones would be scored with, so theirs are taken now (in training mode,
+            # as the updates: no dropout, see disable_dropout)
             old_logp = torch.zeros_like(sampler_logp)
-            if args.num_minibatches > 1:  # (in training mode, as the updates: no dropout, see disable_dropout)
-                with torch.no_grad():
-                    for mb, prompts, completions, plan in micro_batches:
-                        old_logp[mb, completions] = completion_logprobs(
-                            model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
-                            completion_mask[mb, completions], args.temperature,
-                            prompt_of_row=None if args.gradient_checkpointing else plan)[0]
+            with torch.no_grad():
+                for mb, prompts, completions, plan in itertools.chain(*micro_batches_of[1:]):
+                    old_logp[mb, completions] = completion_logprobs(
+                        model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
+                        completion_mask[mb, completions], args.temperature,
+                        prompt_of_row=None if args.gradient_checkpointing else plan)[0]
             t_referenced = sync_clock()
             timings["reference"].append(t_referenced - t_rewarded)
 
             # 5. update: num_iterations passes over the batch, each an optimiser step per minibatch, accumulating
-            # micro-batches. With one minibatch the weights do not change within an iteration, so iteration 0's
-            # log-probs *are* the rollout policy's: kept as old_logp. Each update's loss is normalised by its own
-            # minibatch's counts, over all processes.
+            # micro-batches. No step precedes the first minibatch's first update, so its log-probs *are* the rollout
+            # policy's: kept as old_logp. Each update's loss is normalised by its own minibatch's counts, over all
+            # processes.
             counts = torch.stack([loss_mask.view(args.num_minibatches, -1).sum(1).float(),
                                   torch.full((args.num_minibatches,), float(minibatch_rows), device=device)], 1)
             if distributed:
@@ -1751,7 +1753,7 @@ def train(args: Args) -> dict:
                         model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
                         completion_mask[mb, completions], args.temperature, with_entropy=reported,
                         prompt_of_row=None if args.gradient_checkpointing else plan)  # [b, t]
-                    if iteration == 0 and args.num_minibatches == 1:
+                    if iteration == 0 and minibatch == 0:
                         old_logp[mb, completions] = logp.detach()
                     loss, stats = grpo_loss(
                         logp, old_logp[mb, completions], ref_logp[mb, completions], advantages[mb],
@@ -1820,17 +1822,18 @@ def train(args: Args) -> dict:
             step_time = t_updated - step_start
             step_times.append(step_time)
             n_generated = int(sum(completion_lengths))
-            # prompt tokens a reference or training pass encodes: once per prompt in micro-batches that share them
-            every_row = args.group_size * sum(prompt_lengths)
-            shared = sum(sum(prompt_lengths[p] for p in (prompts if plan is None else set(prompts)))
-                         for prompts, (_, _, _, plan) in zip(prompts_of, micro_batches))
+            # prompt tokens each micro-batch's reference or training pass encodes: once per prompt where it shares them
+            shared = [sum(prompt_lengths[p] for p in (prompts if plan is None else set(prompts)))
+                      for prompts, (_, _, _, plan) in zip(prompts_of, micro_batches)]
+            every_row = [sum(prompt_lengths[p] for p in prompts) for prompts in prompts_of]
+            updated = every_row if args.gradient_checkpointing else shared
+            first = len(micro_batches_of[0])  # the first minibatch's micro-batches: no old log-prob pass
             step_model_flops.append(step_flops(
                 body_weights, head_weights, unique_prompt_tokens=sum(prompt_lengths),
-                reference_prompt_tokens=shared if args.kl_coef != 0.0 else 0,
-                update_prompt_tokens=every_row if args.gradient_checkpointing else shared,
+                reference_prompt_tokens=sum(shared) if args.kl_coef != 0.0 else 0, update_prompt_tokens=sum(updated),
                 completion_tokens=n_generated, reference=args.kl_coef != 0.0, iterations=args.num_iterations,
-                old_pass=args.num_minibatches > 1,
-                full_finetune=args.lora_r == 0))
+                full_finetune=args.lora_r == 0, old_prompt_tokens=sum(updated[first:]),
+                old_completion_tokens=int(sum(completion_lengths[minibatch_rows:]))))
             # every figure is a sum over the batch, so that summing over processes gives the whole batch's: token-
             # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
             # completions, and the sum of squares for the std; log-prob gaps

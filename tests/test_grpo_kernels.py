@@ -1217,9 +1217,10 @@ def test_step_flops_by_hand():
     assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=False) == 150 + 170 + 2 * 170
     shared = dict(common, update_prompt_tokens=2)  # gradient checkpointing the other way round: not mixed up
     assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 150 + 210 + 3 * 170
-    # --num-minibatches above 1: the rollout policy's log-probs take one more forward, shaped as an update's
-    assert step_flops(10, 3, **shared, reference=True, iterations=2, full_finetune=True,
-                      old_pass=True) == 150 + 210 + 7 * 170
+    # --num-minibatches above 1: the later minibatches' rollout log-probs take one more forward, here over 1 prompt
+    # token and 2 completion tokens: 2 * (10 * (1 + 2) + 3 * 2) = 72
+    assert step_flops(10, 3, **shared, reference=True, iterations=2, full_finetune=True, old_prompt_tokens=1,
+                      old_completion_tokens=2) == 150 + 210 + 6 * 170 + 72
 
 
 def test_prompt_sharing_plans():

@@ -462,9 +462,9 @@ def test_each_minibatch_is_an_update_scored_against_the_rollout_policy(micro_bat
                                                                         tmp_path, capsys, monkeypatch):
     """--num-minibatches 2 --num-iterations 2: four updates in the step, alternating between the two halves of the
     batch (whole groups, in order; micro-batches of 3 rows cut at the half: 3 + 3 + 2), each normalised by its own
-    half's counts. Every update's old log-probs are the rollout policy's, from a pass of their own: equal to the
-    first update's own, not the sampler's (shifted here), so the second half's ratios already move at its first
-    update, which the first one's step moved. Logged: the last iteration's loss and gradient norm as means over its
+    half's counts. Every update's old log-probs are the rollout policy's (the first half's from its first update's
+    forward, the second's from a pass before any step): not the sampler's (shifted here), and the second half's
+    ratios already move at its first update, which the first one's step moved. Logged: the last iteration's loss and gradient norm as means over its
     updates, its token statistics over both halves, and the last update's learning rate."""
     sampled, calls, flops_calls = [], [], []
     real_generate = grpo.generate
@@ -510,7 +510,9 @@ def test_each_minibatch_is_an_update_scored_against_the_rollout_policy(micro_bat
     assert tokens == completion_mask.sum()  # both halves
     assert row["ratio_mean"] == pytest.approx(sum(r * n for r, n in stats_of_last_iteration) / tokens, rel=1e-6)
     assert row["learning_rate"] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 3 / 4)), rel=1e-9)
-    assert flops_calls[0]["old_pass"] and flops_calls[0]["iterations"] == 2
+    # the old log-prob pass: over the second half alone (the first half's come from its first update)
+    assert flops_calls[0]["old_completion_tokens"] == completion_mask[8:].sum() and flops_calls[0]["iterations"] == 2
+    assert 0 < flops_calls[0]["old_prompt_tokens"] < flops_calls[0]["update_prompt_tokens"]
 
 
 def test_the_schedule_counts_every_minibatch_update(tmp_path, capsys):
