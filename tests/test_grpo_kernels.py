@@ -39,6 +39,7 @@ from grpo import (  # noqa: E402
     kl_penalty,
     left_pad,
     lr_lambda,
+    micro_batch_rows,
     prompt_sharing,
     resolve_device,
     step_flops,
@@ -1225,20 +1226,73 @@ def test_step_flops_by_hand():
 
 def test_prompt_sharing_plans():
     # 2 prompts x group 8, prompts 5 positions wide: sharing skips 14 x 5 = 70 < 128 positions, not worth it
-    assert prompt_sharing(slice(0, 16), 8, 5, "auto") is None
-    assert prompt_sharing(slice(0, 16), 8, 10, "auto") == [0] * 8 + [1] * 8  # skips 140
-    assert prompt_sharing(slice(0, 16), 8, 100, "never") is None
-    # a micro-batch that cuts groups: rows 6 .. 13 hold the end of prompt 0, all of 1 (group 4), the start of 2
-    assert prompt_sharing(slice(6, 14), 4, 1, "always") == [0, 0, 1, 1, 1, 1, 2, 2]
-    assert prompt_sharing(slice(3, 4), 4, 1000, "auto") is None  # one row: nothing to share
-    assert prompt_sharing(slice(3, 4), 4, 1, "always") == [0]
+    two_groups = [0] * 8 + [1] * 8
+    assert prompt_sharing(two_groups, 5, "auto") is None
+    assert prompt_sharing(two_groups, 10, "auto") == [0] * 8 + [1] * 8  # skips 140
+    assert prompt_sharing(two_groups, 100, "never") is None
+    # a micro-batch that cuts groups: the end of prompt 1, all of 2 (group 4), the start of 3; numbered from 0
+    assert prompt_sharing([1, 1, 2, 2, 2, 2, 3, 3], 1, "always") == [0, 0, 1, 1, 1, 1, 2, 2]
+    # rows of like length from several groups, in any order: numbered in order of first appearance
+    assert prompt_sharing([5, 2, 5, 7, 2], 1, "always") == [0, 1, 0, 2, 1]
+    assert prompt_sharing([0], 1000, "auto") is None  # one row: nothing to share
+    assert prompt_sharing([0], 1, "always") == [0]
 
 
-@pytest.mark.parametrize("rows,num_completion", [(slice(0, 12), 6), (slice(2, 10), 6), (slice(0, 12), 1)])
+def naive_positions(micro_batches, completion_lengths, prompt_lengths, group_size, share_mode):
+    """Prompt and completion positions the passes process, written out: each micro-batch is cut to its longest
+    prompt and completion; its prompts are encoded once each when the plan shares them, else once per row."""
+    total = 0
+    for rows in micro_batches:
+        prompts = [row // group_size for row in rows]
+        width = max(prompt_lengths[p] for p in prompts)
+        skipped = (len(rows) - len(set(prompts))) * width
+        shared = share_mode == "always" or (share_mode == "auto" and skipped >= 128)
+        total += (len(set(prompts)) if shared else len(rows)) * width
+        total += len(rows) * max(completion_lengths[row] for row in rows)
+    return total
+
+
+def test_micro_batch_rows_groups_completions_of_like_length_within_each_minibatch():
+    # 2 minibatches of 8 rows (2 prompts x group 4 each), micro-batches of 3: 3 + 3 + 2 rows per minibatch
+    lengths = [5, 1, 9, 1, 9, 2, 2, 7] + [3, 3, 3, 3, 8, 1, 8, 1]
+    prompt_lengths = [4, 4, 4, 4]
+    in_order = [[[0, 1, 2], [3, 4, 5], [6, 7]], [[8, 9, 10], [11, 12, 13], [14, 15]]]
+    assert micro_batch_rows(lengths, prompt_lengths, 4, 8, 3, "never", by_length=False) == in_order
+    by_length = micro_batch_rows(lengths, prompt_lengths, 4, 8, 3, "never", by_length=True)
+    # longest first, ties in row order, never across the minibatch boundary
+    assert by_length == [[[2, 4, 7], [0, 5, 6], [1, 3]], [[12, 14, 8], [9, 10, 11], [13, 15]]]
+    for chosen, consecutive in zip(by_length, in_order):
+        assert (naive_positions(chosen, lengths, prompt_lengths, 4, "never")
+                < naive_positions(consecutive, lengths, prompt_lengths, 4, "never"))
+    # micro-batches as large as the minibatch: nothing to arrange
+    assert micro_batch_rows(lengths, prompt_lengths, 4, 8, 8, "never", by_length=True) == [
+        [list(range(8))], [list(range(8, 16))]]
+
+
+def test_micro_batch_rows_keeps_groups_together_where_shared_prompts_save_more():
+    # 4 prompts of 100 tokens x group 4, micro-batches of 4, one minibatch: consecutive rows are one group each,
+    # whose prompt is encoded once (skips 300 >= 128 positions); sorted by length they would mix the prompts
+    lengths = [8, 1, 1, 1, 8, 1, 1, 1, 8, 1, 1, 1, 8, 1, 1, 1]
+    prompt_lengths = [100, 100, 100, 100]
+    consecutive = [[list(range(start, start + 4)) for start in range(0, 16, 4)]]
+    sorted_rows = [[[0, 4, 8, 12], [1, 2, 3, 5], [6, 7, 9, 10], [11, 13, 14, 15]]]
+    for mode, expected in (("auto", consecutive), ("always", consecutive), ("never", sorted_rows)):
+        chosen = micro_batch_rows(lengths, prompt_lengths, 4, 16, 4, mode, by_length=True)
+        assert chosen == expected, mode
+        other = sorted_rows if expected == consecutive else consecutive
+        assert (naive_positions(chosen[0], lengths, prompt_lengths, 4, mode)
+                < naive_positions(other[0], lengths, prompt_lengths, 4, mode)), mode
+    # equal cost (every completion equally long): consecutive rows, the cheaper view
+    assert micro_batch_rows([3] * 16, prompt_lengths, 4, 16, 4, "never", by_length=True) == consecutive
+
+
+@pytest.mark.parametrize("rows,num_completion", [(list(range(12)), 6), (list(range(2, 10)), 6), (list(range(12)), 1),
+                                                 ([9, 2, 6, 0, 11, 5, 3, 8], 6)])
 def test_shared_prompts_equal_every_row_encoded(tiny, rows, num_completion):
     """Encoding each prompt once and indexing its keys and values out to its rows gives the log-probs, entropies
     and weight gradients of encoding every row's prompt: with left padding (3 prompt lengths), early EOS, a
-    micro-batch that cuts groups (rows 2 .. 9), and one completion token (no second pass)."""
+    micro-batch that cuts groups (rows 2 .. 9), one completion token (no second pass), and rows of the three
+    prompts interleaved (as --group-by-length orders them)."""
     tokenizer, models, prompt_lists = tiny
     group = 4
     model = copy.deepcopy(models["sharp"]).train()
@@ -1248,7 +1302,7 @@ def test_shared_prompts_equal_every_row_encoded(tiny, rows, num_completion):
     ids, mask, comp, comp_mask = ids[rows], mask[rows], comp[rows], comp_mask[rows]
     on = comp_mask.bool()
     assert num_completion == 1 or (~on).any()  # some completion ended early: masked positions are exercised
-    prompt_of_row = prompt_sharing(rows, group, ids.shape[1], "always")
+    prompt_of_row = prompt_sharing([row // group for row in rows], ids.shape[1], "always")
 
     def run(plan):
         model.zero_grad(set_to_none=True)

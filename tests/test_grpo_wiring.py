@@ -480,7 +480,8 @@ def test_each_minibatch_is_an_update_scored_against_the_rollout_policy(micro_bat
     norms = grad_norms_seen_by_the_optimiser(lambda: train_in_process(
         tmp_path / "run", [*ONE_STEP, "--num-minibatches", "2", "--num-iterations", "2", "--kl-coef", "0.05",
                            "--learning-rate", "1e-2", "--micro-batch-size", micro_batch, "--dtype", dtype,
-                           "--max-grad-norm", "0", "--lr-schedule", "cosine"], capsys))
+                           "--max-grad-norm", "0", "--lr-schedule", "cosine",
+                           "--no-group-by-length"], capsys))  # (rows in order: see section 9 for the other)
     _, completion_mask, sampler_logp = sampled[0]  # [16, T]: 4 prompts x 4 completions
     calls_per_update = len(calls) // 4
     assert len(norms) == 4 and calls_per_update == (1 if micro_batch == "0" else 3)
@@ -527,6 +528,50 @@ def test_the_schedule_counts_every_minibatch_update(tmp_path, capsys):
     finally:
         handle.remove()
     assert rates == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)], rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9. --group-by-length
+
+
+@pytest.mark.parametrize("share_prompts", ["auto", "always"])  # (always: prompts encoded once, in any row order)
+def test_micro_batches_of_like_length_make_the_update_of_consecutive_rows(share_prompts, tmp_path, capsys,
+                                                                          monkeypatch):
+    """--group-by-length (the default) changes which rows share a micro-batch, not the update: two minibatches of 8
+    completions of up to 8 tokens in micro-batches of 3 give the metrics and weights of --no-group-by-length. The
+    rows were really rearranged (longest first, within a minibatch, where that saves positions), and each micro-batch's loss saw its own
+    rows' masks, cut to their longest completion."""
+    from safetensors.torch import load_file
+
+    masks_sampled, arrangements, loss_masks = [], [], []
+    spy_on(monkeypatch, "generate", lambda args, kwargs, result: masks_sampled.append(result[1].clone())
+           if kwargs.get("generators") is not None else None)
+    spy_on(monkeypatch, "micro_batch_rows", lambda args, kwargs, result: arrangements.append(result))
+    spy_on(monkeypatch, "grpo_loss", lambda args, kwargs, result: loss_masks.append(args[4].detach().clone()))
+    flags = [*ONE_STEP, "--max-new-tokens", "8", "--micro-batch-size", "3", "--num-minibatches", "2",
+             "--kl-coef", "0.05", "--learning-rate", "1e-3", "--share-prompts", share_prompts]
+    grouped = train_in_process(tmp_path / "grouped", flags, capsys)
+    consecutive = train_in_process(tmp_path / "consecutive", [*flags, "--no-group-by-length"], capsys)
+    completion_mask = masks_sampled[0]  # [16, T]
+    assert torch.equal(masks_sampled[1], completion_mask)  # the same samples in both runs
+    assert arrangements[1] == [[[0, 1, 2], [3, 4, 5], [6, 7]], [[8, 9, 10], [11, 12, 13], [14, 15]]]
+    assert arrangements[0] != arrangements[1]  # (else the test would compare a run with itself)
+    lengths = completion_mask.sum(1).tolist()
+    for minibatch, micro_batches in enumerate(arrangements[0]):  # each either as it was or longest first
+        rows = [row for micro_batch in micro_batches for row in micro_batch]
+        assert sorted(rows) == list(range(8 * minibatch, 8 * minibatch + 8))
+        if micro_batches != arrangements[1][minibatch]:
+            assert [lengths[row] for row in rows] == sorted(lengths[8 * minibatch:8 * minibatch + 8], reverse=True)
+    grouped_calls = [rows for micro_batches in arrangements[0] for rows in micro_batches]
+    for loss_mask, rows in zip(loss_masks, grouped_calls, strict=False):  # the grouped run's calls come first
+        width = max(lengths[row] for row in rows)
+        assert torch.equal(loss_mask, completion_mask[rows, :width].to(loss_mask.dtype))
+    for a, b in zip(grouped, consecutive, strict=True):
+        for key, value in b.items():
+            if not key.endswith("time_s") and not key.startswith("memory"):
+                assert a[key] == pytest.approx(value, rel=1e-5, abs=1e-7, nan_ok=True), key
+    weights = [load_file(next((tmp_path / run / "final").glob("*.safetensors"))) for run in ("grouped", "consecutive")]
+    assert max((weights[0][name] - weights[1][name]).abs().max().item() for name in weights[0]) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------
