@@ -32,6 +32,13 @@ Settings (the harness README, "Comparing with your own script"):
   GRPO long (grpo_small_long): the same, with LONG_PROMPT_PREFIX before every prompt (69 tokens with BOS) and
         --max-prompt-length 80 both sides. grpo.py encodes each prompt once per micro-batch in the reference
         and training passes (--share-prompts auto); TRL encodes it in every row.
+  GRPO accumulated (grpo_small_accum): the small model, completions of up to 64 new tokens (ACCUM_NEW_TOKENS:
+        lengths vary, the random model says EOS now and then), gradients accumulated over micro-batches of 4
+        (ours --micro-batch-size 4; TRL per_device_train_batch_size 4 x gradient_accumulation_steps 4, which
+        samples the 16 completions at once and makes one optimizer step over them, as ours does), learning rate
+        0 on both sides (see grpo_learning_rate: every pass still runs, and both keep the initial policy's
+        completion lengths). grpo.py cuts each micro-batch to its longest completion and groups completions of
+        like length (--group-by-length); TRL pads every micro-batch to the batch's longest.
   Differences that do not change the work per step: the learning-rate schedule (TRL linear decay, ours
   constant), Adam beta2 (0.999 vs 0.99), the sampled batches (each side's own seeded order) and the KL term's
   gradient (TRL 1.16 weights k3 by the ratio by default, use_bias_correction_kl, which the harness leaves on: one
@@ -56,7 +63,7 @@ threads then oversubscribe the cores and a step can take 10x longer (tiny PRM, 2
 0.17-0.66 s/step with default threads, 0.015 s with --threads 1); --threads 1 (OMP_NUM_THREADS, both sides) or
 --quiet-wait 300 gives steadier figures; the published baseline used torch's default threads on an idle machine.
 
-Run (from the repository root; 13-15 min on an idle 2-core CPU with the default 3 repetitions):
+Run (from the repository root; about 20 min on an idle 2-core CPU with the default 3 repetitions):
     python benchmarks/bench_vs_trl.py
     python benchmarks/bench_vs_trl.py --configs grpo_small --reps 5
     python benchmarks/bench_vs_trl.py --reps 1 --grpo-steps 5 --prm-steps 5 --configs grpo_tiny,prm_tiny  # smoke
@@ -81,8 +88,11 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ["grpo_tiny", "grpo_tiny_lora", "grpo_small", "grpo_small_lora", "grpo_small_long", "prm_tiny",
-           "prm_tiny_lora", "prm_small", "prm_small_lora"]
+CONFIGS = ["grpo_tiny", "grpo_tiny_lora", "grpo_small", "grpo_small_lora", "grpo_small_long", "grpo_small_accum",
+           "prm_tiny", "prm_tiny_lora", "prm_small", "prm_small_lora"]
+# grpo_small_accum: completions of up to ACCUM_NEW_TOKENS tokens, whose lengths vary (the random model says EOS
+# now and then), trained in micro-batches of ACCUM_MICRO_BATCH with gradient accumulation on both sides
+ACCUM_NEW_TOKENS, ACCUM_MICRO_BATCH = 64, 4
 # grpo_*_long: every prompt starts with this instruction (64 characters, one token each in the harness's character
 # tokenizer: 69-token prompts with BOS), as a realistic prompt-to-completion ratio; the TRL side runs the harness
 # with its make_prompts wrapped to add it (--trl-grpo-prefix; and its GRPOTrainer given a LoRA config for the
@@ -294,15 +304,27 @@ def read_jsonl(path: Path) -> list[dict]:
 # The two sides of each configuration
 # ----------------------------------------------------------------------------------------------------------------
 
+def new_tokens(cfg: dict, a) -> int:
+    return ACCUM_NEW_TOKENS if cfg["accum"] else a.max_new_tokens
+
+
+def grpo_learning_rate(cfg: dict) -> str:
+    # grpo_small_accum: 0, so that both sides keep sampling from the initial policy, whose completion lengths are
+    # the same in expectation; trained, each side's lengths drift their own way (a run at 1e-3: 55 tokens on
+    # average against TRL's 43), and with them the work per step. Every pass, gradient and AdamW step still runs
+    return "0" if cfg["accum"] else "1e-3"
+
+
 def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
     if cfg["kind"] == "grpo":
         return [a.ours_python, os.path.join(a.main_dir, "grpo.py"), "--model", cfg["model"],
                 "--data-path", data[cfg["prompts"]], "--no-chat-template", "--max-prompt-length",
                 str(cfg["max_prompt_length"]),
-                "--prompts-per-step", "2", "--group-size", "8", "--max-new-tokens", str(a.max_new_tokens),
+                "--prompts-per-step", "2", "--group-size", "8", "--max-new-tokens", str(new_tokens(cfg, a)),
                 "--temperature", "1.0", "--kl-coef", "0.05", "--loss-type", "dapo", "--scale-rewards", "group", "--num-iterations", "1",
-                "--learning-rate", "1e-3", "--warmup-steps", "0", "--total-steps", str(a.grpo_steps),
-                "--micro-batch-size", "0", "--dtype", "float32", "--device", "cpu",
+                "--learning-rate", grpo_learning_rate(cfg), "--warmup-steps", "0", "--total-steps", str(a.grpo_steps),
+                "--micro-batch-size", str(ACCUM_MICRO_BATCH if cfg["accum"] else 0), "--dtype", "float32",
+                "--device", "cpu",
                 "--no-gradient-checkpointing", "--format-reward-weight", "0", "--eval-every", "0",
                 "--num-eval-prompts", "0", "--seed", "0", "--overwrite", "--output-dir", str(out_dir),
                 *(["--lora-r", "8", "--lora-alpha", "16", "--lora-target-modules", LORA_TARGETS] if cfg["lora"]
@@ -329,10 +351,13 @@ def trl_cmd(cfg: dict, a, out_json: Path, out_dir: Path) -> list[str]:
                        LONG_PROMPT_PREFIX if cfg["prompts"] == "grpo_prompts_long" else "",
                        "--trl-grpo-lora-r", "8" if cfg["lora"] else "0", "--"]
         return harness + ["--model", cfg["model"],
-                "--steps", str(a.grpo_steps), "--num-generations", "8", "--per-device-train-batch-size", "16",
-                "--gradient-accumulation-steps", "1", "--num-iterations", "1",
-                "--max-completion-length", str(a.max_new_tokens),
-                "--max-prompt-length", str(cfg["max_prompt_length"]), "--beta", "0.05", "--learning-rate", "1e-3", "--temperature", "1.0",
+                "--steps", str(a.grpo_steps), "--num-generations", "8",
+                # (TRL samples per_device_train_batch_size x steps_per_generation = gradient_accumulation_steps
+                # completions at once, 16 either way, and makes one optimizer step over them)
+                "--per-device-train-batch-size", str(ACCUM_MICRO_BATCH if cfg["accum"] else 16),
+                "--gradient-accumulation-steps", str(16 // ACCUM_MICRO_BATCH if cfg["accum"] else 1),
+                "--num-iterations", "1", "--max-completion-length", str(new_tokens(cfg, a)),
+                "--max-prompt-length", str(cfg["max_prompt_length"]), "--beta", "0.05", "--learning-rate", grpo_learning_rate(cfg), "--temperature", "1.0",
                 "--loss-type", "dapo", "--scale-rewards", "group", "--no-activation-checkpointing", "--seed", "0",
                 "--no-eval-greedy", "--output-dir", str(out_dir), "--out-json", str(out_json)]
     cmd = [a.trl_prm_python, os.path.join(a.harness_dir, "trl_prm_bench.py"), "--model", cfg["model"],
@@ -531,7 +556,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="alternated repetitions (pairs) per configuration")
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--prm-steps", type=int, default=50)
-    ap.add_argument("--max-new-tokens", type=int, default=8, help="GRPO: tokens sampled per completion, both sides")
+    ap.add_argument("--max-new-tokens", type=int, default=8, help="GRPO: tokens sampled per completion, both sides (grpo_small_accum: always "
+                    f"{ACCUM_NEW_TOKENS})")
     ap.add_argument("--grpo-flags", default="", help="more flags for grpo.py only (not TRL), in one string, e.g. "
                     "--grpo-flags=--compile-decoding")
     ap.add_argument("--prm-data", choices=["harness", "builtin"], default="harness",
@@ -644,6 +670,7 @@ def main(argv=None) -> int:
         kind, size = name.split("_")[0], name.split("_")[1]
         long = name.endswith("_long")
         cfg = {"kind": kind, "size": size, "model": models[size], "lora": name.endswith("_lora"),
+               "accum": name.endswith("_accum"),
                "prompts": "grpo_prompts_long" if long else "grpo_prompts", "max_prompt_length": 80 if long else 16}
         r = results[name] = {"cfg": cfg, "pairs": []}
         if kind == "grpo":
