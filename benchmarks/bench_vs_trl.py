@@ -36,7 +36,7 @@ Settings (the harness README, "Comparing with your own script"):
         lengths vary, the random model says EOS now and then), gradients accumulated over micro-batches of 4
         (ours --micro-batch-size 4; TRL per_device_train_batch_size 4 x gradient_accumulation_steps 4, which
         samples the 16 completions at once and makes one optimizer step over them, as ours does), learning rate
-        0 on both sides (see grpo_learning_rate: every pass still runs, and both keep the initial policy's
+        0 on both sides (see main's cfg: every pass still runs, and both keep the initial policy's
         completion lengths). grpo.py cuts each micro-batch to its longest completion and groups completions of
         like length (--group-by-length); TRL pads every micro-batch to the batch's longest.
   Differences that do not change the work per step: the learning-rate schedule (TRL linear decay, ours
@@ -304,27 +304,15 @@ def read_jsonl(path: Path) -> list[dict]:
 # The two sides of each configuration
 # ----------------------------------------------------------------------------------------------------------------
 
-def new_tokens(cfg: dict, a) -> int:
-    return ACCUM_NEW_TOKENS if cfg["accum"] else a.max_new_tokens
-
-
-def grpo_learning_rate(cfg: dict) -> str:
-    # grpo_small_accum: 0, so that both sides keep sampling from the initial policy, whose completion lengths are
-    # the same in expectation; trained, each side's lengths drift their own way (a run at 1e-3: 55 tokens on
-    # average against TRL's 43), and with them the work per step. Every pass, gradient and AdamW step still runs
-    return "0" if cfg["accum"] else "1e-3"
-
-
 def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
     if cfg["kind"] == "grpo":
         return [a.ours_python, os.path.join(a.main_dir, "grpo.py"), "--model", cfg["model"],
                 "--data-path", data[cfg["prompts"]], "--no-chat-template", "--max-prompt-length",
                 str(cfg["max_prompt_length"]),
-                "--prompts-per-step", "2", "--group-size", "8", "--max-new-tokens", str(new_tokens(cfg, a)),
+                "--prompts-per-step", "2", "--group-size", "8", "--max-new-tokens", str(cfg["new_tokens"]),
                 "--temperature", "1.0", "--kl-coef", "0.05", "--loss-type", "dapo", "--scale-rewards", "group", "--num-iterations", "1",
-                "--learning-rate", grpo_learning_rate(cfg), "--warmup-steps", "0", "--total-steps", str(a.grpo_steps),
-                "--micro-batch-size", str(ACCUM_MICRO_BATCH if cfg["accum"] else 0), "--dtype", "float32",
-                "--device", "cpu",
+                "--learning-rate", cfg["learning_rate"], "--warmup-steps", "0", "--total-steps", str(a.grpo_steps),
+                "--micro-batch-size", str(cfg["micro_batch"]), "--dtype", "float32", "--device", "cpu",
                 "--no-gradient-checkpointing", "--format-reward-weight", "0", "--eval-every", "0",
                 "--num-eval-prompts", "0", "--seed", "0", "--overwrite", "--output-dir", str(out_dir),
                 *(["--lora-r", "8", "--lora-alpha", "16", "--lora-target-modules", LORA_TARGETS] if cfg["lora"]
@@ -354,10 +342,11 @@ def trl_cmd(cfg: dict, a, out_json: Path, out_dir: Path) -> list[str]:
                 "--steps", str(a.grpo_steps), "--num-generations", "8",
                 # (TRL samples per_device_train_batch_size x steps_per_generation = gradient_accumulation_steps
                 # completions at once, 16 either way, and makes one optimizer step over them)
-                "--per-device-train-batch-size", str(ACCUM_MICRO_BATCH if cfg["accum"] else 16),
-                "--gradient-accumulation-steps", str(16 // ACCUM_MICRO_BATCH if cfg["accum"] else 1),
-                "--num-iterations", "1", "--max-completion-length", str(new_tokens(cfg, a)),
-                "--max-prompt-length", str(cfg["max_prompt_length"]), "--beta", "0.05", "--learning-rate", grpo_learning_rate(cfg), "--temperature", "1.0",
+                "--per-device-train-batch-size", str(cfg["micro_batch"]),
+                "--gradient-accumulation-steps", str(16 // cfg["micro_batch"]),
+                "--num-iterations", "1", "--max-completion-length", str(cfg["new_tokens"]),
+                "--max-prompt-length", str(cfg["max_prompt_length"]), "--beta", "0.05",
+                "--learning-rate", cfg["learning_rate"], "--temperature", "1.0",
                 "--loss-type", "dapo", "--scale-rewards", "group", "--no-activation-checkpointing", "--seed", "0",
                 "--no-eval-greedy", "--output-dir", str(out_dir), "--out-json", str(out_json)]
     cmd = [a.trl_prm_python, os.path.join(a.harness_dir, "trl_prm_bench.py"), "--model", cfg["model"],
@@ -556,8 +545,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="alternated repetitions (pairs) per configuration")
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--prm-steps", type=int, default=50)
-    ap.add_argument("--max-new-tokens", type=int, default=8, help="GRPO: tokens sampled per completion, both sides (grpo_small_accum: always "
-                    f"{ACCUM_NEW_TOKENS})")
+    ap.add_argument("--max-new-tokens", type=int, default=8,
+                    help=f"GRPO: tokens sampled per completion, both sides (grpo_small_accum: always {ACCUM_NEW_TOKENS})")
     ap.add_argument("--grpo-flags", default="", help="more flags for grpo.py only (not TRL), in one string, e.g. "
                     "--grpo-flags=--compile-decoding")
     ap.add_argument("--prm-data", choices=["harness", "builtin"], default="harness",
@@ -668,9 +657,15 @@ def main(argv=None) -> int:
     results = {}
     for name in configs:
         kind, size = name.split("_")[0], name.split("_")[1]
-        long = name.endswith("_long")
+        long, accum = name.endswith("_long"), name.endswith("_accum")
         cfg = {"kind": kind, "size": size, "model": models[size], "lora": name.endswith("_lora"),
-               "accum": name.endswith("_accum"),
+               # grpo_small_accum: longer completions, in micro-batches (of the 16 completions a step samples)
+               # with gradient accumulation, and learning rate 0, so that both sides keep sampling from the initial
+               # policy, whose completion lengths are the same in expectation; trained, each side's lengths drift
+               # their own way (a run at 1e-3: 55 tokens on average against TRL's 43), and with them the work per
+               # step. Every pass, gradient and AdamW step still runs
+               "new_tokens": ACCUM_NEW_TOKENS if accum else a.max_new_tokens,
+               "micro_batch": ACCUM_MICRO_BATCH if accum else 16, "learning_rate": "0" if accum else "1e-3",
                "prompts": "grpo_prompts_long" if long else "grpo_prompts", "max_prompt_length": 80 if long else 16}
         r = results[name] = {"cfg": cfg, "pairs": []}
         if kind == "grpo":
