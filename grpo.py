@@ -187,8 +187,7 @@ class Args:
     """with micro-batches smaller than a minibatch: put completions of like length together (each minibatch's in
     order of decreasing length), so that cutting each micro-batch to its longest wastes little on padding, where
     that makes the reference and training passes process fewer positions than consecutive rows do (those hold whole
-    groups, whose prompt --share-prompts encodes once). Only the rounding of the summed gradients changes. Not
-    under --fsdp (each forward there is a collective, and sorted rows would make processes differ in their passes)"""
+    groups, whose prompt --share-prompts encodes once). Only the rounding of the summed gradients changes"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (0 = off)"""
     weight_decay: float = 0.0
@@ -1724,11 +1723,9 @@ def train(args: Args) -> dict:
             # lengths (--group-by-length, see micro_batch_rows) 57% and 66%
             prompt_lengths = [len(ids) for ids in prompt_list]
             completion_lengths = completion_mask.sum(1).tolist()  # one host copy per step
-            # (not under FSDP: there each process must make the passes the others make, and rows of other prompts
-            # in its micro-batches would share prompts differently)
             row_lists = [rows for minibatch in micro_batch_rows(
                 completion_lengths, prompt_lengths, args.group_size, minibatch_rows, micro_batch, args.share_prompts,
-                by_length=args.group_by_length and not args.fsdp) for rows in minibatch]
+                by_length=args.group_by_length) for rows in minibatch]
             prompts_of = [[row // args.group_size for row in rows] for rows in row_lists]
             longest_prompts = [max(prompt_lengths[p] for p in prompts) for prompts in prompts_of]
             longest_completions = [max(completion_lengths[row] for row in rows) for rows in row_lists]
@@ -1741,14 +1738,22 @@ def train(args: Args) -> dict:
                 widths = torch.tensor([longest_prompts, longest_completions], device=device)  # [2, micro-batches]
                 dist.all_reduce(widths, op=dist.ReduceOp.MAX)
                 sharing_widths, longest_completions = widths.tolist()
+            plans = [prompt_sharing(prompts, width, args.share_prompts)
+                     for prompts, width in zip(prompts_of, sharing_widths)]
+            if args.fsdp:
+                # and the same choice to share: with --group-by-length one process's micro-batch may hold rows of
+                # more prompts than another's (fewer repeated prompt positions, under auto's threshold), so prompts
+                # are shared where every process would share them
+                shared = torch.tensor([plan is not None for plan in plans], dtype=torch.int32, device=device)
+                dist.all_reduce(shared, op=dist.ReduceOp.MIN)
+                plans = [plan if everywhere else None for plan, everywhere in zip(plans, shared.tolist())]
             # (rows: a slice where they follow each other, a view; else a tensor of indices, a copy; prompt columns,
             # completion columns, the rows numbered by prompt or None: see --share-prompts)
             micro_batches = [(slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1))
                               else torch.tensor(rows, device=device),
-                              slice(prompt_ids.shape[1] - prompt_width, None), slice(0, completion_width),
-                              prompt_sharing(prompts, sharing_width, args.share_prompts))
-                             for rows, prompts, prompt_width, completion_width, sharing_width
-                             in zip(row_lists, prompts_of, longest_prompts, longest_completions, sharing_widths)]
+                              slice(prompt_ids.shape[1] - prompt_width, None), slice(0, completion_width), plan)
+                             for rows, prompt_width, completion_width, plan
+                             in zip(row_lists, longest_prompts, longest_completions, plans)]
             per_minibatch = len(micro_batches) // args.num_minibatches
             micro_batches_of = [micro_batches[start:start + per_minibatch]
                                 for start in range(0, len(micro_batches), per_minibatch)]

@@ -35,11 +35,15 @@ def run_one(script: str, out: Path, *flags: str) -> None:
     assert process.returncode == 0, process.stderr[-3000:]
 
 
-def run_fsdp(script: str, out: Path, *flags: str, timeout: int = 300) -> None:
-    """torchrun with 2 processes; a run past the timeout (a deadlock) fails the test and leaves no worker behind."""
+def run_fsdp(script: str, out: Path, *flags: str, timeout: int = 300, record_dir: Path = None) -> None:
+    """torchrun with 2 processes; a run past the timeout (a deadlock) fails the test and leaves no worker behind.
+    record_dir: the launcher that records some of grpo.py's calls there (tests/fsdp_record_calls.py)."""
+    launcher, env = "tests/fsdp_on_cpu.py", ENV
+    if record_dir is not None:
+        launcher, env = "tests/fsdp_record_calls.py", {**ENV, "FSDP_RECORD_DIR": str(record_dir)}
     process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                "2", "tests/fsdp_on_cpu.py", script, "--fsdp", "--output-dir", str(out), *flags],
-                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                                "2", launcher, script, "--fsdp", "--output-dir", str(out), *flags],
+                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         _, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -154,6 +158,41 @@ def test_fsdp_processes_agree_on_sharing_prompts(tmp_path):
     run_one("grpo", plain, *flags)
     run_fsdp("grpo", sharded, *flags, timeout=120)
     assert_close_metrics(metrics(sharded), metrics(plain))
+
+
+def test_fsdp_processes_grouped_by_length_agree_on_sharing_prompts(tmp_path):
+    """--group-by-length under FSDP: each process orders its own rows, so one process's micro-batch may hold two
+    prompts' rows where the other's holds one prompt's. With --share-prompts auto and 19-token prompts (7 repeats x 19
+    = 133 positions skipped: shared; 6 x 19 = 114: not) the processes would then make different numbers of passes
+    and deadlock (the timeout). Seed 0's first step is such a batch (checked from what each process did): prompts
+    are shared where every process would share them, and the run equals one process's."""
+    rows = [{"prompt": f"{i:015d}+7=", "answer": str(i + 7)} for i in range(4)]  # 18 characters, + BOS
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    group_size = 8
+    flags = ["--data-path", str(data), "--no-chat-template", "--total-steps", "1", "--prompts-per-step", "4",
+             "--group-size", str(group_size), "--micro-batch-size", "8", "--max-new-tokens", "64", "--kl-coef",
+             "0.05", "--eval-every", "0", "--num-eval-prompts", "0", "--share-prompts", "auto", "--seed", "0"]
+    plain, sharded, record_dir = tmp_path / "plain", tmp_path / "sharded", tmp_path / "calls"
+    record_dir.mkdir()
+    run_one("grpo", plain, *flags)
+    run_fsdp("grpo", sharded, *flags, timeout=120, record_dir=record_dir)
+    assert_close_metrics(metrics(sharded), metrics(plain))
+
+    calls = [[json.loads(line) for line in (record_dir / f"calls-{rank}.jsonl").read_text().splitlines()]
+             for rank in (0, 1)]
+    batchings = [[value for name, value in process_calls if name == "micro_batch_rows"] for process_calls in calls]
+    assert [len(steps) for steps in batchings] == [1, 1]  # one step each
+    (prompt_lengths, arrangement), (other_prompt_lengths, other_arrangement) = batchings[0][0], batchings[1][0]
+    assert prompt_lengths == other_prompt_lengths == [19, 19]
+    assert [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]] in (arrangement[0], other_arrangement[0])
+    assert arrangement != other_arrangement  # one process sorted its rows by length, the other kept them in order
+    would_share = [[grpo.prompt_sharing([row // group_size for row in rows], 19, "auto") is not None
+                    for rows in micro_batches[0]] for micro_batches in (arrangement, other_arrangement)]
+    assert would_share[0] != would_share[1]  # (else the test would not need the processes to agree)
+    shared = [[value for name, value in process_calls if name == "completion_logprobs"] for process_calls in calls]
+    agreed = [a and b for a, b in zip(*would_share)]
+    assert shared[0] == shared[1] == agreed * 2  # the reference pass, then the update's
 
 
 def test_fsdp_processes_agree_when_one_process_stops_at_once(tmp_path):
