@@ -310,7 +310,8 @@ def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
                 "--data-path", data[cfg["prompts"]], "--no-chat-template", "--max-prompt-length",
                 str(cfg["max_prompt_length"]),
                 "--prompts-per-step", "2", "--group-size", "8", "--max-new-tokens", str(cfg["new_tokens"]),
-                "--temperature", "1.0", "--kl-coef", "0.05", "--loss-type", "dapo", "--scale-rewards", "group", "--num-iterations", "1",
+                "--temperature", "1.0", "--kl-coef", "0.05", "--loss-type", "dapo", "--scale-rewards", "group",
+                "--num-iterations", "1",
                 "--learning-rate", cfg["learning_rate"], "--warmup-steps", "0", "--total-steps", str(a.grpo_steps),
                 "--micro-batch-size", str(cfg["micro_batch"]), "--dtype", "float32", "--device", "cpu",
                 "--no-gradient-checkpointing", "--format-reward-weight", "0", "--eval-every", "0",
@@ -450,7 +451,8 @@ def report(results: dict, a, notes: list[str]) -> str:
                 tok_o = 16 * (info["prompt_tokens_mean"] + clen)
         lines.append(
             f"{name:<15} {len(pairs):>4} {fmt(med(ours)):>11} {fmt(med(trl)):>10} "
-            f"{fmt(med(ratios), '.2f'):>7}x {rng:>15} {fmt(med([p['ours'].get('peak_rss_mib') for p in pairs]), '.0f'):>12} "
+            f"{fmt(med(ratios), '.2f'):>7}x {rng:>15} "
+            f"{fmt(med([p['ours'].get('peak_rss_mib') for p in pairs]), '.0f'):>12} "
             f"{fmt(med([p['trl'].get('peak_rss_mib') for p in pairs]), '.0f'):>11} {fmt(tok_o, '.1f'):>13} "
             f"{fmt(tok_t, '.1f'):>12} {fmt(other, '.2f'):>11}")
     lines.append("")
@@ -499,7 +501,8 @@ def report(results: dict, a, notes: list[str]) -> str:
             if floors and info:
                 rates = [x["gflops_median"] for x in mm]
                 lines.append(
-                    f"{name} FLOP floor: N_body {info['n_body']:,} + N_head {info['n_head']:,} (vocab {info['vocab']} x "
+                    f"{name} FLOP floor: N_body {info['n_body']:,} + N_head {info['n_head']:,} "
+                    f"(vocab {info['vocab']} x "
                     f"hidden {info['hidden']}), P {info['prompt_tokens_mean']:.2f} prompt tokens; step FLOPs "
                     f"{med([f for f, _ in floors]) / 1e9:.3f} GFLOP; fp32 matmul {a.matmul_size}^3 "
                     f"{med(rates):.1f} GFLOP/s (median of reps; windows {min(min(x['gflops_windows']) for x in mm):.1f}"
@@ -546,7 +549,8 @@ def parse_args(argv=None):
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--prm-steps", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=8,
-                    help=f"GRPO: tokens sampled per completion, both sides (grpo_small_accum: always {ACCUM_NEW_TOKENS})")
+                    help="GRPO: tokens sampled per completion, both sides "
+                         f"(grpo_small_accum: always {ACCUM_NEW_TOKENS})")
     ap.add_argument("--grpo-flags", default="", help="more flags for grpo.py only (not TRL), in one string, e.g. "
                     "--grpo-flags=--compile-decoding")
     ap.add_argument("--prm-data", choices=["harness", "builtin"], default="harness",
@@ -629,7 +633,8 @@ def main(argv=None) -> int:
                             "--root", a.bench_root], check=True, env=child_env(a.bench_root))
 
     # data: the harness's 100 "a+b=" prompts (its make_prompts; never truncated at 16 tokens: 5 with BOS)
-    data = {"grpo_prompts": str(work / "grpo_prompts.jsonl"), "grpo_prompts_long": str(work / "grpo_prompts_long.jsonl")}
+    data = {"grpo_prompts": str(work / "grpo_prompts.jsonl"),
+            "grpo_prompts_long": str(work / "grpo_prompts_long.jsonl")}
     prompts = [f"{x}+{y}=" for x in range(10) for y in range(10)]
     for key, prefix in (("grpo_prompts", ""), ("grpo_prompts_long", LONG_PROMPT_PREFIX)):
         with open(data[key], "w") as f:
@@ -645,12 +650,14 @@ def main(argv=None) -> int:
             if a.prm_data == "harness":
                 data["prm_rows"] = str(work / "prm_rows.jsonl")
                 notes.append(f"PRM data: the harness's synthetic rows ({prm_data['rows']} rows, "
-                             f"{prm_data['step_labels']} step labels, seed 0) as prm.py JSONL: identical text both sides")
+                             f"{prm_data['step_labels']} step labels, seed 0) as prm.py JSONL: identical text "
+                             "both sides")
             else:
                 notes.append("PRM data: prm.py's BUILT-IN task for ours (--prm-data builtin), the harness's rows for "
                              "TRL: compare the tokens per step before the times")
         except Exception as e:
-            notes.append(f"PRM data: could not generate the harness's rows ({str(e).splitlines()[0] if str(e) else e}); "
+            reason = str(e).splitlines()[0] if str(e) else e
+            notes.append(f"PRM data: could not generate the harness's rows ({reason}); "
                          "ours ran on prm.py's BUILT-IN task, TRL on its own rows: compare tokens per step")
             print(notes[-1], flush=True)
 

@@ -20,7 +20,8 @@ def run_grpo(output_dir: Path, *flags: str, env: dict | None = None, expect_rc: 
     process = subprocess.run([sys.executable, "grpo.py", "--output-dir", str(output_dir), *flags], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=timeout,
                              env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
-    assert process.returncode == expect_rc, f"rc {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-3000:]}"
+    assert process.returncode == expect_rc, (f"rc {process.returncode}\n{process.stdout[-3000:]}\n"
+                                             f"{process.stderr[-3000:]}")
     return process
 
 

@@ -158,7 +158,8 @@ def test_max_grad_norm_clips_what_the_optimiser_steps_on(limit, tmp_path, capsys
     for norm, row in zip(norms, metrics):
         assert row["grad_norm"] > 1e-2  # the norm before clipping (logged), far above the tiny limit
         if limit == "1e-3":
-            assert norm <= 1e-3 * (1 + 1e-4), f"the optimiser stepped on a gradient of norm {norm} > --max-grad-norm 1e-3"
+            assert norm <= 1e-3 * (1 + 1e-4), (f"the optimiser stepped on a gradient of norm {norm} > "
+                                               "--max-grad-norm 1e-3")
             assert norm == pytest.approx(1e-3, rel=1e-3)  # scaled down to the limit, not zeroed
         else:  # 0 = off, and a limit above the norm: the gradient is left as it is
             assert norm == pytest.approx(row["grad_norm"], rel=1e-4)
@@ -168,7 +169,8 @@ def test_max_grad_norm_clips_what_the_optimiser_steps_on(limit, tmp_path, capsys
 # 4. sampling flags, the KL estimator and reward scaling, end to end
 
 
-@pytest.mark.parametrize("sampling", [["--temperature", "0.7", "--top-k", "5"], ["--temperature", "1.3", "--top-p", "0.9"]])
+@pytest.mark.parametrize("sampling", [["--temperature", "0.7", "--top-k", "5"],
+                                      ["--temperature", "1.3", "--top-p", "0.9"]])
 def test_sampling_temperature_reaches_the_training_and_reference_passes(sampling, tmp_path, capsys, monkeypatch):
     """At step 1, with one iteration, the training pass, the sampler and the reference policy are the same weights: if
     every pass divides the logits by the same temperature, their log-probs agree. A training (or reference) pass that
@@ -464,8 +466,9 @@ def test_each_minibatch_is_an_update_scored_against_the_rollout_policy(micro_bat
     batch (whole groups, in order; micro-batches of 3 rows cut at the half: 3 + 3 + 2), each normalised by its own
     half's counts. Every update's old log-probs are the rollout policy's (the first half's from its first update's
     forward, the second's from a pass before any step): not the sampler's (shifted here), and the second half's
-    ratios already move at its first update, which the first one's step moved. Logged: the last iteration's loss and gradient norm as means over its
-    updates, its token statistics over both halves, and the last update's learning rate."""
+    ratios already move at its first update, which the first one's step moved. Logged: the last iteration's loss
+    and gradient norm as means over its updates, its token statistics over both halves, and the last update's
+    learning rate."""
     sampled, calls, flops_calls = [], [], []
     real_generate = grpo.generate
 
@@ -539,8 +542,8 @@ def test_micro_batches_of_like_length_make_the_update_of_consecutive_rows(share_
                                                                           monkeypatch):
     """--group-by-length (the default) changes which rows share a micro-batch, not the update: two minibatches of 8
     completions of up to 8 tokens in micro-batches of 3 give the metrics and weights of --no-group-by-length. The
-    rows were really rearranged (longest first, within a minibatch, where that saves positions), and each micro-batch's loss saw its own
-    rows' masks, cut to their longest completion."""
+    rows were really rearranged (longest first, within a minibatch, where that saves positions), and each
+    micro-batch's loss saw its own rows' masks, cut to their longest completion."""
     from safetensors.torch import load_file
 
     masks_sampled, arrangements, loss_masks = [], [], []

@@ -128,7 +128,8 @@ BAD_INPUTS = {
     "held-out rows beyond the built-in pool": (lambda tmp: ["--num-val-rows", "1000", "--num-eval-rows", "1001"],
                                                "--num-val-rows + --num-eval-rows", "must be at most that, got 2001"),
     # resuming
-    "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "--resume-from", "not a checkpoint written by prm.py"),
+    "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "--resume-from",
+                            "not a checkpoint written by prm.py"),
     "resume latest, no checkpoint": (lambda tmp: ["--resume-from", "latest"], "--resume-from latest",
                                      "no checkpoint-* directory"),
 }
