@@ -181,8 +181,8 @@ class Args:
     share_prompts: Literal["auto", "always", "never"] = "auto"
     """encode each prompt once per micro-batch in the reference and training passes, its keys and values shared by
     its completions; auto = when that skips at least 128 prompt positions, padding included (the break-even
-    measured on a 2-core CPU; a GPU's may differ). Not in the training pass under --gradient-checkpointing
-    (transformers drops the cache there)"""
+    measured on a 2-core CPU; a GPU's may differ). Not under --gradient-checkpointing (transformers drops the
+    cache in the training pass there, and the reference pass must compute as it does)"""
     group_by_length: bool = True
     """with micro-batches smaller than a minibatch: put completions of like length together (each minibatch's in
     order of decreasing length), so that cutting each micro-batch to its longest wastes little on padding, where
@@ -1738,7 +1738,11 @@ def train(args: Args) -> dict:
                 widths = torch.tensor([longest_prompts, longest_completions], device=device)  # [2, micro-batches]
                 dist.all_reduce(widths, op=dist.ReduceOp.MAX)
                 sharing_widths, longest_completions = widths.tolist()
-            plans = [prompt_sharing(prompts, width, args.share_prompts)
+            # Under --gradient-checkpointing transformers drops the cache in the training pass, so no pass shares
+            # prompts: the reference must be scored as the policy is, else rounding differences (~5e-7) between the
+            # two ways give a policy identical to its reference a KL gradient of noise that AdamW scales up to
+            # full-size steps (measured: KL 0.1 by step 3 with equal rewards)
+            plans = [None if args.gradient_checkpointing else prompt_sharing(prompts, width, args.share_prompts)
                      for prompts, width in zip(prompts_of, sharing_widths)]
             if args.fsdp:
                 # and the same choice to share: with --group-by-length one process's micro-batch may hold rows of
@@ -1776,8 +1780,7 @@ def train(args: Args) -> dict:
                 for mb, prompts, completions, plan in itertools.chain(*micro_batches_of[1:]):
                     old_logp[mb, completions] = completion_logprobs(
                         model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
-                        completion_mask[mb, completions], args.temperature,
-                        prompt_of_row=None if args.gradient_checkpointing else plan)[0]
+                        completion_mask[mb, completions], args.temperature, prompt_of_row=plan)[0]
             t_referenced = sync_clock()
             timings["reference"].append(t_referenced - t_rewarded)
 
@@ -1800,7 +1803,7 @@ def train(args: Args) -> dict:
                     logp, entropy = completion_logprobs(
                         model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
                         completion_mask[mb, completions], args.temperature, with_entropy=reported,
-                        prompt_of_row=None if args.gradient_checkpointing else plan)  # [b, t]
+                        prompt_of_row=plan)  # [b, t]
                     if iteration == 0 and minibatch == 0:
                         old_logp[mb, completions] = logp.detach()
                     loss, stats = grpo_loss(
@@ -1870,17 +1873,15 @@ def train(args: Args) -> dict:
             step_time = t_updated - step_start
             step_times.append(step_time)
             n_generated = int(sum(completion_lengths))
-            # prompt tokens each micro-batch's reference or training pass encodes: once per prompt where it shares them
-            shared = [sum(prompt_lengths[p] for p in (prompts if plan is None else set(prompts)))
-                      for prompts, (_, _, _, plan) in zip(prompts_of, micro_batches)]
-            every_row = [sum(prompt_lengths[p] for p in prompts) for prompts in prompts_of]
-            updated = every_row if args.gradient_checkpointing else shared
+            # prompt tokens each micro-batch's reference and training passes encode: once per prompt where they share
+            encoded = [sum(prompt_lengths[p] for p in (prompts if plan is None else set(prompts)))
+                       for prompts, plan in zip(prompts_of, plans)]
             first = len(micro_batches_of[0])  # the first minibatch's micro-batches: no old log-prob pass
             step_model_flops.append(step_flops(
                 body_weights, head_weights, unique_prompt_tokens=sum(prompt_lengths),
-                reference_prompt_tokens=sum(shared) if args.kl_coef != 0.0 else 0, update_prompt_tokens=sum(updated),
+                reference_prompt_tokens=sum(encoded) if args.kl_coef != 0.0 else 0, update_prompt_tokens=sum(encoded),
                 completion_tokens=n_generated, reference=args.kl_coef != 0.0, iterations=args.num_iterations,
-                full_finetune=args.lora_r == 0, old_prompt_tokens=sum(updated[first:]),
+                full_finetune=args.lora_r == 0, old_prompt_tokens=sum(encoded[first:]),
                 old_completion_tokens=int(sum(completion_lengths[minibatch_rows:]))))
             # every figure is a sum over the batch, so that summing over processes gives the whole batch's: token-
             # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
