@@ -872,8 +872,9 @@ def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Op
     prm.tokenizer.save_pretrained(temporary)
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in head.items()},
               os.path.join(temporary, "reward_head.safetensors"))
-    with open(os.path.join(temporary, "prm_config.json"), "w") as f:
-        json.dump({**prm.config, **({"step": step} if step is not None else {})}, f, indent=2)
+    with open(os.path.join(temporary, "prm_config.json"), "w") as f:  # pack_rows: how scoring batches, as training
+        json.dump({**prm.config, "pack_rows": prm.pack_rows, **({"step": step} if step is not None else {})}, f,
+                  indent=2)
     if trainer_state is not None:
         with open(os.path.join(temporary, "args.json"), "w") as f:
             json.dump({"script": "prm.py", **asdict(args)}, f, indent=2)
@@ -899,6 +900,12 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
         trained_in = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(config.get("dtype"))
         usable = trained_in == torch.float32 or device.type == "cpu" or auto_dtype(device) == trained_in
         dtype = trained_in if trained_in is not None and usable else auto_dtype(device)
+    weights = "adapter_model.safetensors" if config["lora"] else "model.safetensors"  # (save_prm: one file)
+    head_path = os.path.join(path, "reward_head.safetensors")
+    missing = [name for name in (weights, "reward_head.safetensors") if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        raise UserError(f"{path} is an incomplete PRM: no {' or '.join(missing)} in it (a copy cut short?); copy the "
+                        "whole directory that prm.py saved")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if config["lora"]:
         from peft import PeftModel
@@ -908,14 +915,22 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
         if os.path.isabs(base) and not os.path.isdir(base):
             raise UserError(f"{path}: its LoRA adapter's base model {base} (\"backbone\" in prm_config.json) does not "
                             "exist; point that field at the base model's new place or its hub name")
-        backbone = AutoModel.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
+        try:
+            backbone = AutoModel.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as error:  # a hub name that cannot be reached, a directory without a model
+            raise UserError(f"{path}: cannot load its LoRA adapter's base model {base!r} (\"backbone\" in "
+                            f"prm_config.json): {str(error).splitlines()[0].rstrip('.')}; point that field at a "
+                            "local copy of the base model") from None
         backbone = PeftModel.from_pretrained(backbone, path)
     else:
         backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     prm = ProcessRewardModel(backbone, config["hidden_size"], tokenizer, config)
-    prm.head.load_state_dict(load_file(os.path.join(path, "reward_head.safetensors")))
+    prm.head.load_state_dict(load_file(head_path))
     prm.to(device).eval()
-    use_packing(prm)
+    # batched as in training (--no-pack-rows pads: packed, fp32 scores would differ by ~1e-7, bf16 ones by ~4e-4);
+    # PRMs saved before this was recorded pack where the backbone allows, as they were trained by default
+    if config.get("pack_rows", True):
+        use_packing(prm)
     return prm
 
 
@@ -946,15 +961,27 @@ def score_steps(prm: ProcessRewardModel, prompts: list[str], steps: list[list[st
     tokenised by build_prm_example with the PRM's own separator and max length. Steps truncated away get no
     score: a solution's list has one score per kept step, its first steps (empty when the prompt alone is too
     long; aggregate_scores gives that 0.0)."""
+    return score_examples(prm, scoring_examples(prm.tokenizer, prompts, steps, prm.config["step_separator"],
+                                                prm.config["max_length"]), batch_size)
+
+
+def scoring_examples(tokenizer, prompts: list[str], steps: list[list[str]], step_separator: str,
+                     max_length: int) -> list[dict]:
+    """score_steps' examples (no labels), built before any scoring: a step that is no token at all raises
+    ValueError naming its solution (numbered from 1) and prompt."""
     examples = []
     for number, (prompt, solution) in enumerate(zip(prompts, steps, strict=True), start=1):
         try:
-            input_ids, positions = build_prm_example(prm.tokenizer, prompt, solution,
-                                                     step_separator=prm.config["step_separator"],
-                                                     max_length=prm.config["max_length"])
+            input_ids, positions = build_prm_example(tokenizer, prompt, solution, step_separator=step_separator,
+                                                     max_length=max_length)
         except ValueError as problem:
-            raise ValueError(f"solution {number}: {problem}") from None
+            raise ValueError(f"solution {number} (prompt {prompt[:40]!r}): {problem}") from None
         examples.append({"input_ids": input_ids, "positions": positions, "labels": None})
+    return examples
+
+
+def score_examples(prm: ProcessRewardModel, examples: list[dict], batch_size: int) -> list[list[float]]:
+    """score_steps for examples already built (scoring_examples)."""
     scored = [e for e in examples if e["positions"]]
     results = iter(predict(prm, scored, batch_size))
     return [next(results) if e["positions"] else [] for e in examples]
@@ -1202,6 +1229,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           "torchrun --nproc_per_node N (N = 1 runs the same code unsharded), or drop the flag")
     check(args.dtype != "bfloat16" or device.type != "cuda" or torch.cuda.is_bf16_supported(),
           "--dtype bfloat16: this GPU does not support bf16; use --dtype float32")
+    check(args.scores_output is None or args.score_data_path is not None, "--scores-output is where the scores of "
+          "--score-data-path's rows go: give --score-data-path rows.jsonl too, or drop --scores-output")
     if args.scores_output is not None:
         check_scores_output(args.scores_output)
 
@@ -1320,7 +1349,7 @@ def score_file(args: Args) -> dict:
     try:
         scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows],
                              args.eval_batch_size)
-    except ValueError as problem:  # a step that tokenises to nothing
+    except ValueError as problem:  # a step that tokenises to nothing (solutions counted over the valid rows)
         raise UserError(f"{args.score_data_path}, {problem}") from None
     write_scores(args.scores_output, rows, scores)
     summary = {"rows": len(rows), "skipped_rows": skipped, "scored_steps": sum(len(s) for s in scores),
@@ -1434,6 +1463,12 @@ def train(args: Args) -> dict:
         encoded.append(examples)
         dropped_steps, dropped_rows = dropped_steps + steps_lost, dropped_rows + rows_lost
     train_examples, val_examples, eval_examples = encoded
+    try:  # the rows to score at the end: a step that is no token at all stops the run now, not after training
+        examples_to_score = scoring_examples(tokenizer, [r["prompt"] for r in score_rows],
+                                             [r["completions"] for r in score_rows], args.step_separator,
+                                             args.max_length)
+    except ValueError as problem:
+        raise UserError(f"{args.score_data_path}, {problem}") from None
     if dropped_steps:
         print0(f"note: --max-length {args.max_length} dropped {dropped_steps} steps that did not fit whole, and "
                f"{dropped_rows} rows left with no step", enabled=is_main)
@@ -1759,8 +1794,7 @@ def train(args: Args) -> dict:
                enabled=is_main)
         if eval_examples:  # a second row for the last step (its training row is logged before the final save)
             logger.log(last_step, eval_metrics)
-        scores = score_steps(prm, [r["prompt"] for r in score_rows], [r["completions"] for r in score_rows],
-                             args.eval_batch_size) if score_rows else None
+        scores = score_examples(prm, examples_to_score, args.eval_batch_size) if score_rows else None
         if is_main and scores is not None:
             write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up

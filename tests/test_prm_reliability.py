@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +127,8 @@ BAD_INPUTS = {
     "scores output below a file": (lambda tmp: ["--score-data-path", rows_file(tmp, GOOD), "--scores-output",
                                                 rows_file(tmp, GOOD) + "/scores.jsonl"], "--scores-output",
                                    "its directory cannot be created, "),
+    "scores output without rows to score": (lambda tmp: ["--scores-output", str(tmp / "scores.jsonl")],
+                                            "--scores-output", "give --score-data-path rows.jsonl too"),
     "held-out rows beyond the built-in pool": (lambda tmp: ["--num-val-rows", "1000", "--num-eval-rows", "1001"],
                                                "--num-val-rows + --num-eval-rows", "must be at most that, got 2001"),
     # resuming
@@ -183,6 +187,8 @@ def test_a_lora_prm_whose_base_model_moved_is_named(tmp_path):
     saved = tmp_path / "prm"
     prm.build_tiny_tokenizer().save_pretrained(saved)
     (saved / "prm_config.json").write_text(json.dumps({"lora": True, "backbone": str(tmp_path / "moved_away")}))
+    for name in ("adapter_model.safetensors", "reward_head.safetensors"):  # (the base is found missing before them)
+        (saved / name).touch()
     with pytest.raises(prm.UserError, match=r'moved_away \("backbone" in prm_config.json\) does not exist'):
         prm.load_prm(str(saved), device="cpu")
 
@@ -213,6 +219,65 @@ def test_scoring_mode_bad_inputs(tmp_path, capsys):
                           "--device", "foo"], capsys)
     assert code == 2 and err == "error: --device 'foo' is not a device; use auto, cpu, cuda or cuda:N\n"
     assert not scores.exists()
+
+
+def test_rows_to_score_are_tokenised_before_training_and_scoring(tmp_path, capsys):
+    """A row of --score-data-path with a step that is no token at all (a blank step, with a separator the tokenizer
+    drops) was found only when scoring, after training had written final/ and metrics.jsonl: a traceback, exit
+    code 1. Now one line naming the file, solution and prompt, exit code 2, before anything is written; scoring
+    with a saved PRM says the same before writing the scores."""
+    from test_prm import whitespace_dropping_tokenizer
+
+    tokenizer = whitespace_dropping_tokenizer()
+    model_dir = tmp_path / "wordpiece"
+    prm.build_tiny_backbone(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    capsys.readouterr()  # the save's progress bar
+    train_rows = rows_file(tmp_path, *[json.dumps({"prompt": "start 3", "completions": ["3+1=4", "4-2=2"],
+                                                   "labels": [1, k % 2]}) for k in range(12)], name="train.jsonl")
+    to_score = rows_file(tmp_path, '{"prompt": "start 3", "completions": ["3+1=4"]}',
+                         '{"prompt": "start 4", "completions": ["4+1=5", " "]}', name="score.jsonl")
+    out, scores = tmp_path / "out", tmp_path / "scores.jsonl"
+    flags = [*SMALL, "--model", str(model_dir), "--data-path", train_rows, "--total-steps", "1", "--num-eval-rows",
+             "0", "--score-data-path", to_score]
+    code, err = run_main(["--output-dir", str(out), *flags], capsys)
+    last = err.strip().splitlines()[-1]  # (after transformers' progress bar of loading the model)
+    assert code == 2 and "Traceback" not in err and last.startswith(
+        f"error: {to_score}, solution 2 (prompt 'start 4'): step 1 (' ') with the separator '\\n' is no token at all")
+    assert not out.exists()
+    to_score_well = rows_file(tmp_path, '{"prompt": "start 3", "completions": ["3+1=4"]}', name="good.jsonl")
+    code, err = run_main(["--output-dir", str(out), *flags[:-1], to_score_well], capsys)
+    assert code == 0, err
+    code, err = run_main(["--prm-path", str(out / "final"), "--score-data-path", to_score, "--scores-output",
+                          str(scores)], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: {to_score}, solution 2 (prompt 'start 4'): step 1")
+    assert not scores.exists()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_incomplete_saved_prm_is_one_clear_line(lora, tmp_path, capsys):
+    """A saved PRM missing its weights or head (a copy cut short) ended in a FileNotFoundError or OSError traceback,
+    as did a LoRA PRM whose base model cannot be loaded (here a directory without a model; a hub name that cannot
+    be reached fails the same way)."""
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps",
+                          "1", "--num-eval-rows", "0", *(["--lora-r", "4"] if lora else [])], capsys)
+    assert code == 0, err
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    for missing in (weights, "reward_head.safetensors"):
+        cut_short = tmp_path / f"without-{missing}"
+        shutil.copytree(out / "final", cut_short)
+        (cut_short / missing).unlink()
+        with pytest.raises(prm.UserError, match=f"is an incomplete PRM: no {re.escape(missing)} in it"):
+            prm.load_prm(str(cut_short), device="cpu")
+    if lora:
+        config = json.loads((out / "final" / "prm_config.json").read_text())
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        (out / "final" / "prm_config.json").write_text(json.dumps({**config, "backbone": str(empty)}))
+        with pytest.raises(prm.UserError, match=f"cannot load its LoRA adapter's base model '{empty}'"):
+            prm.load_prm(str(out / "final"), device="cpu")
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
@@ -700,17 +765,20 @@ def test_resuming_an_earlier_checkpoint_to_its_own_step_writes_that_model(tmp_pa
     assert all(torch.equal(final[key], checkpoint[key]) for key in final)
 
 
-def test_a_prm_loads_in_the_dtype_it_was_trained_in(tmp_path, capsys):
+@pytest.mark.parametrize("packing", [[], ["--no-pack-rows"]])
+def test_a_prm_loads_in_the_dtype_it_was_trained_in_and_batches_as_it_did(packing, tmp_path, capsys):
     """prm_config.json records the training dtype, which load_prm, the score command and grpo.py's --prm-path use
-    by default: the scores of the end of training (in fp32 on a CPU, a bf16 PRM scored 1e-3 off)."""
+    by default: the scores of the end of training (in fp32 on a CPU, a bf16 PRM scored 1e-3 off). It records
+    --no-pack-rows too: a PRM trained on padded rows, reloaded, scored packed rows up to 4e-4 off in bf16."""
     out = tmp_path / "out"
     data = small_data(tmp_path)
     code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", data, "--total-steps", "2", "--dtype",
-                          "bfloat16", "--score-data-path", data], capsys)
+                          "bfloat16", "--score-data-path", data, *packing], capsys)
     assert code == 0, err
-    assert json.loads((out / "final" / "prm_config.json").read_text())["dtype"] == "bfloat16"
+    config = json.loads((out / "final" / "prm_config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["pack_rows"] == (not packing)
     model = prm.load_prm(str(out / "final"), device="cpu")
-    assert {p.dtype for p in model.backbone.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.backbone.parameters()} == {torch.bfloat16} and model.pack_rows == (not packing)
     rows = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
     rescored = prm.score_steps(model, [r["prompt"] for r in rows], [r["completions"] for r in rows], 64)
     assert rescored == [r["scores"] for r in rows]
