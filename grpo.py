@@ -1206,10 +1206,12 @@ def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: dict
     shutil.rmtree(temporary, ignore_errors=True)
     # one file, so that resuming can read it back whole
     model.save_pretrained(temporary, max_shard_size="1000GB", state_dict=state_dict)
+    adapter_config = os.path.join(temporary, "adapter_config.json")
     if base_model is not None:  # the adapter then loads as it is: peft finds its base by this path
         base_model.save_pretrained(os.path.join(temporary, "base"))
-        update_json(os.path.join(temporary, "adapter_config.json"),
-                    {"base_model_name_or_path": os.path.abspath(os.path.join(path, "base"))})
+        update_json(adapter_config, {"base_model_name_or_path": os.path.abspath(os.path.join(path, "base"))})
+    elif os.path.isfile(adapter_config) and os.path.isdir(args.model):  # a local base, as typed (maybe relative):
+        update_json(adapter_config, {"base_model_name_or_path": os.path.abspath(args.model)})  # found from anywhere
     for config_path in (os.path.join(temporary, "config.json"), os.path.join(temporary, "base", "config.json")):
         if os.path.exists(config_path):  # (an adapter of a hub model writes none)
             update_json(config_path, saved_config)
@@ -1241,7 +1243,8 @@ def final_step(output_dir: str) -> Optional[int]:
 
 
 # what a checkpoint must agree on with the run that resumes from it
-RESUME_MUST_MATCH = ("model", "data_path", "lora_r", "lora_alpha", "lora_target_modules", "chat_template",
+# (not data_path: the rows' content is checked instead, so that the same file can be given by another path)
+RESUME_MUST_MATCH = ("model", "lora_r", "lora_alpha", "lora_target_modules", "chat_template",
                      "prompts_per_step", "group_size", "num_iterations", "num_minibatches", "loss_type",
                      "importance_sampling", "kl_coef", "seed", "fsdp")
 
@@ -1254,8 +1257,9 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     if path == "latest":  # the newest of the checkpoints and the final model
         steps, final = checkpoint_steps(output_dir), final_step(output_dir)
         if not steps and final is None:
-            raise UserError(f"--resume-from latest: no checkpoint-* or final directory in {output_dir} (pass the "
-                            "run's --output-dir)")
+            raise UserError(f"--resume-from latest: no checkpoint-* or final directory in {output_dir}: pass the "
+                            "run's --output-dir, or, for a run stopped before its first checkpoint, start it again "
+                            "with --overwrite")
         newest_is_final = final is not None and (not steps or final > steps[-1])
         path = os.path.join(output_dir, "final" if newest_is_final else f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
@@ -1290,6 +1294,11 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         if device.index >= torch.cuda.device_count():
             raise UserError(f"--device {name}: there is no {device} here ({torch.cuda.device_count()} CUDA devices "
                             "visible); use --device cpu or auto")
+    try:  # a device type this torch knows but this machine lacks (mps on Linux, xpu without one)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise UserError(f"--device {name}: not usable here ({str(error).splitlines()[0]}); use --device cpu, cuda "
+                        "or auto") from None
     return device
 
 
@@ -1302,6 +1311,11 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.group_size >= 2, f"--group-size must be at least 2 (got {args.group_size}): advantages compare "
           "completions of the same prompt")
     check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
+    check(args.lora_r == 0 or args.lora_alpha > 0, f"--lora-alpha must be > 0 (the adapter's scale is alpha / r: at "
+          f"0 nothing trains), got {args.lora_alpha}")
+    check(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
+    check(all(math.isfinite(w) for w in (args.answer_reward_weight, args.format_reward_weight, args.prm_weight)),
+          "--answer-reward-weight, --format-reward-weight and --prm-weight must be finite numbers")
     check(min(args.total_steps, args.prompts_per_step, args.num_iterations, args.num_minibatches) >= 1,
           "--total-steps, --prompts-per-step, --num-iterations and --num-minibatches must be at least 1")
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "
@@ -1315,7 +1329,10 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(not args.kl_ratio_weighted or (args.kl_coef > 0 and args.kl_estimator != "k2"), "--kl-ratio-weighted "
           "weights the KL penalty by the ratio: it needs --kl-coef above 0 and --kl-estimator k1 or k3 (k2 times the "
           "ratio estimates no KL)")
-    check(args.learning_rate >= 0, f"--learning-rate must be >= 0, got {args.learning_rate}")
+    check(args.learning_rate >= 0 and args.weight_decay >= 0 and args.max_grad_norm >= 0,
+          "--learning-rate, --weight-decay and --max-grad-norm must be >= 0")
+    check(all(0.0 <= beta < 1.0 for beta in args.adam_betas), f"--adam-betas must be in [0, 1), got {args.adam_betas}")
+    check(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     check(args.peak_tflops >= 0, f"--peak-tflops must be >= 0 (0 = look up a GPU's bf16 peak), got {args.peak_tflops}")
     check(args.eval_batch_size >= 1 and args.num_eval_prompts >= 0,
           "--eval-batch-size must be at least 1 and --num-eval-prompts >= 0")
@@ -1567,14 +1584,21 @@ def train(args: Args) -> dict:
                         r"checkpoint-\d+(\.tmp|\.old)?", name):
                     target = os.path.join(output_dir, name)
                     shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
-        os.makedirs(output_dir, exist_ok=True)
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except OSError as error:
+            raise UserError(f"--output-dir {output_dir} cannot be created ({error.strerror or error}); choose "
+                            "another --output-dir") from None
         metrics_path = os.path.join(output_dir, "metrics.jsonl")
         if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written, and
             # the final evaluation's row at its step when this run does that evaluation again (a run killed between
             # that row and its summary); a run taken further keeps it, as the evaluation at that step
             redoes_final_evaluation = start_step >= args.total_steps
             with open(metrics_path) as f:
-                logged = [(line, json.loads(line)) for line in f]
+                lines = f.readlines()
+            if lines and not lines[-1].endswith("\n"):  # torn by a crash mid-write (after the checkpoint): dropped
+                lines.pop()
+            logged = [(line, json.loads(line)) for line in lines]
             kept = [line for line, row in logged if row["step"] <= start_step and not (
                 redoes_final_evaluation and row["step"] == start_step and "step_time_s" not in row)]
             with open(metrics_path, "w") as f:
@@ -1974,6 +1998,9 @@ def train(args: Args) -> dict:
             logger.log(start_step + len(step_times), {"eval_accuracy": eval_accuracy})
     steps_done = len(step_times)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
+
+    def per_second(amount: float, seconds: float) -> float:  # NaN (null) when no step ran: a resume that only
+        return amount / seconds if seconds > 0 else float("nan")  # redoes the final evaluation
     summary = {
         "steps": start_step + steps_done,
         "total_time_s": total_time,
@@ -1983,8 +2010,8 @@ def train(args: Args) -> dict:
         "reward_time_s": sum(timings["reward"]),
         "update_time_s": sum(timings["update"]),
         # over the timed steps, as the step time (on a GPU the first step also loads kernels and allocates memory)
-        "generated_tokens_per_s": sum(generated_tokens[timed]) / max(sum(timings["generation"][timed]), 1e-9),
-        "trained_tokens_per_s": sum(trained_tokens[timed]) / max(sum(timings["update"][timed]), 1e-9),
+        "generated_tokens_per_s": per_second(sum(generated_tokens[timed]), sum(timings["generation"][timed])),
+        "trained_tokens_per_s": per_second(sum(trained_tokens[timed]), sum(timings["update"][timed])),
         "peak_memory_mb": peak_memory_mb(device),
         "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
         "eval_accuracy_start": eval_accuracy_start,
@@ -1995,7 +2022,7 @@ def train(args: Args) -> dict:
     }
     # model FLOP/s of this process over the timed steps (see step_flops), against the device's peak (MFU: on CUDA,
     # or given --peak-tflops) and, on CPU, against the matmul throughput measured here (the FLOP-floor fraction)
-    achieved = sum(step_model_flops[timed]) / max(sum(step_times[timed]), 1e-9)
+    achieved = per_second(sum(step_model_flops[timed]), sum(step_times[timed]))
     summary["model_tflops_per_s"] = achieved / 1e12
     if (device.type == "cuda" or args.peak_tflops) and step_times:
         # the table holds bf16 peaks: an fp32 run (TF32 or not) has another, which only the user can give

@@ -1064,7 +1064,8 @@ def clear_run(output_dir: str) -> None:
 
 # what a checkpoint must agree on with the run that resumes from it: the model and its shape, the training rows and
 # their split, the loss, and the batch (the number of processes may change: the update does not depend on it)
-RESUME_MUST_MATCH = ("model", "data_path", "num_val_rows", "step_separator", "max_length", "lora_r", "lora_alpha",
+# (not data_path: the rows' content is checked instead, so that the same file can be given by another path)
+RESUME_MUST_MATCH = ("model", "num_val_rows", "step_separator", "max_length", "lora_r", "lora_alpha",
                      "lora_target_modules", "loss_kind", "batch_size", "seed", "fsdp")
 
 
@@ -1076,7 +1077,9 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     if path == "latest":
         steps = checkpoint_steps(output_dir)
         if not steps:
-            raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir}")
+            raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir}: pass the run's "
+                            "--output-dir, or, for a run stopped before its first checkpoint, start it again with "
+                            "--overwrite")
         path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
     if not os.path.isfile(args_file) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
@@ -1162,6 +1165,11 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         if device.index >= torch.cuda.device_count():
             raise UserError(f"--device {name}: there is no {device} here ({torch.cuda.device_count()} CUDA devices "
                             "visible); use --device cpu or auto")
+    try:  # a device type this torch knows but this machine lacks (mps on Linux, xpu without one)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise UserError(f"--device {name}: not usable here ({str(error).splitlines()[0]}); use --device cpu, cuda "
+                        "or auto") from None
     return device
 
 
@@ -1193,6 +1201,9 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
             raise UserError(message)
 
     check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
+    check(args.lora_r == 0 or args.lora_alpha > 0, f"--lora-alpha must be > 0 (the adapter's scale is alpha / r: at "
+          f"0 nothing trains), got {args.lora_alpha}")
+    check(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     check(args.peak_tflops >= 0, f"--peak-tflops must be >= 0 (0 = look up a GPU's bf16 peak), got {args.peak_tflops}")
     check(0.0 <= args.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     check(bool(args.step_separator), "--step-separator must not be empty: each step's label sits on its "
@@ -1574,14 +1585,21 @@ def train(args: Args) -> dict:
     if is_main:
         if args.overwrite and not resuming_here:
             clear_run(output_dir)
-        os.makedirs(output_dir, exist_ok=True)
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except OSError as error:
+            raise UserError(f"--output-dir {output_dir} cannot be created ({error.strerror or error}); choose "
+                            "another --output-dir") from None
         metrics_path = os.path.join(output_dir, "metrics.jsonl")
         if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written, and
             # the final evaluation's row at its step when this run does that evaluation again (a run killed between
             # that row and its summary)
             redoes_final_evaluation = start_step >= args.total_steps
             with open(metrics_path) as f:
-                logged = [(line, json.loads(line)) for line in f if line.strip()]
+                lines = [line for line in f if line.strip()]
+            if lines and not lines[-1].endswith("\n"):  # torn by a crash mid-write (after the checkpoint): dropped
+                lines.pop()
+            logged = [(line, json.loads(line)) for line in lines]
             kept = [line for line, row in logged if row["step"] <= start_step and not (
                 redoes_final_evaluation and row["step"] == start_step and "step_time_s" not in row)]
             with open(metrics_path, "w") as f:
@@ -1798,11 +1816,14 @@ def train(args: Args) -> dict:
         if is_main and scores is not None:
             write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
+
+    def per_second(amount: float, seconds: float) -> float:  # NaN (null) when no step ran: a resume that only
+        return amount / seconds if seconds > 0 else float("nan")  # redoes the final evaluation
     summary = {
         "steps": start_step + len(step_times),
         "total_time_s": total_time,
         "step_time_s_mean": float(np.mean(step_times[timed])) if step_times else float("nan"),
-        "tokens_per_s": sum(step_tokens[timed]) / max(sum(step_times[timed]), 1e-9),
+        "tokens_per_s": per_second(sum(step_tokens[timed]), sum(step_times[timed])),
         "peak_memory_mb": peak_memory_mb(device),
         "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
         **{f"{key}_start": value for key, value in eval_start.items() if key != "eval_first_error_threshold"},
@@ -1824,8 +1845,8 @@ def train(args: Args) -> dict:
     # FLOP-floor fraction)
     body_weights = (sum(p.numel() for p in prm.backbone.parameters())
                     - prm.backbone.get_input_embeddings().weight.numel())
-    achieved = (step_flops(body_weights, sum(step_tokens[timed]), args.lora_r == 0) / args.world_size
-                / max(sum(step_times[timed]), 1e-9))
+    achieved = per_second(step_flops(body_weights, sum(step_tokens[timed]), args.lora_r == 0) / args.world_size,
+                          sum(step_times[timed]))
     summary["model_tflops_per_s"] = achieved / 1e12
     if (device.type == "cuda" or args.peak_tflops) and step_times:
         # the table holds bf16 peaks: an fp32 run (TF32 or not) has another, which only the user can give

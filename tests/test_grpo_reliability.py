@@ -95,11 +95,20 @@ BAD_INPUTS = {
     "unknown device": (lambda tmp: ["--device", "foo"], "--device 'foo' is not a device"),
     "no checkpoint kept": (lambda tmp: ["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
     "eval batch of zero": (lambda tmp: ["--eval-batch-size", "0"], "--eval-batch-size must be at least 1"),
-    "negative learning rate": (lambda tmp: ["--learning-rate", "-1"], "--learning-rate must be >= 0"),
+    "negative learning rate": (lambda tmp: ["--learning-rate", "-1"], "--learning-rate, --weight-decay"),
     "negative save interval": (lambda tmp: ["--save-every", "-1"], "--save-every must be >= 0"),
     "lora target typo": (lambda tmp: ["--lora-r", "4", "--lora-target-modules", "q_proj,qproj"],
                          "no layer is named qproj; this model's include down_proj"),
     "not a prm": (lambda tmp: ["--prm-path", str(tmp)], "--prm-path: "),
+    # values AdamW, the seed or the device would reject later with a traceback, or that would train nothing
+    "negative weight decay": (lambda tmp: ["--weight-decay", "-1"], "--weight-decay and --max-grad-norm must be >= 0"),
+    "beta of 1.5": (lambda tmp: ["--adam-betas", "1.5", "0.9"], "--adam-betas must be in [0, 1), got (1.5, 0.9)"),
+    "negative warm-up": (lambda tmp: ["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    "negative seed": (lambda tmp: ["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+    "seed past 32 bits": (lambda tmp: ["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
+    "lora alpha of 0": (lambda tmp: ["--lora-r", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
+    "NaN reward weight": (lambda tmp: ["--answer-reward-weight", "nan"], "--prm-weight must be finite numbers"),
+    "device this torch has no support for": (lambda tmp: ["--device", "mps"], "--device mps: not usable here"),
 }
 
 
@@ -112,6 +121,60 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
     assert message in err
     assert err.startswith("error: ") and err.count("\n") == 1  # one line, no traceback
     assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_an_output_dir_that_cannot_be_created_is_one_clear_line(script, capsys):
+    """/proc takes no new directories: the OSError from makedirs was a traceback."""
+    import prm
+    from conftest import run_script_main
+
+    module = grpo if script == "grpo" else prm
+    flags = QUICK if script == "grpo" else ["--total-steps", "1", "--num-val-rows", "4", "--num-eval-rows", "0"]
+    code, err = run_script_main(module.main, f"{script}.py", ["--output-dir", "/proc/no-such/run", *flags], capsys)
+    assert code == 2 and err.endswith("error: --output-dir /proc/no-such/run cannot be created (No such file or "
+                                      "directory); choose another --output-dir\n"), err
+
+
+def test_a_lora_adapter_of_a_local_model_names_its_base_by_its_absolute_path(tmp_path, capsys, monkeypatch):
+    """peft records the base model as typed: trained with a relative --model, final/ loaded only from the directory
+    the run was started in (elsewhere peft asked the hub for it)."""
+    from peft import AutoPeftModelForCausalLM
+
+    save_tiny(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    assert run_main(["--output-dir", str(run), *QUICK, "--total-steps", "1", "--num-eval-prompts", "0", "--model",
+                     "model", "--lora-r", "4"], capsys)[0] == 0
+    config = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "model")
+    monkeypatch.chdir(REPO_ROOT)
+    assert AutoPeftModelForCausalLM.from_pretrained(str(run / "final")) is not None
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_a_run_resumes_with_its_data_file_given_by_another_path(script, tmp_path, capsys):
+    """What a resume checks is the rows' content, not the path they were read from (a relative path refused a
+    resume from another directory); other rows are still refused."""
+    import prm
+    from conftest import run_script_main
+    from test_prm import builtin_rows
+
+    module = grpo if script == "grpo" else prm
+    rows = ([{"prompt": f"({i}+7)%10=", "answer": str((i + 7) % 10)} for i in range(8)] if script == "grpo"
+            else builtin_rows(24))
+    for name, chosen in (("data.jsonl", rows), ("copy.jsonl", rows), ("other.jsonl", rows[::-1])):
+        (tmp_path / name).write_text("".join(json.dumps(row) + "\n" for row in chosen))
+    run = tmp_path / "run"
+    flags = ["--output-dir", str(run), "--total-steps", "2", "--save-every", "1", "--eval-every", "0"]
+    flags += (["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4", "--num-eval-prompts", "0"]
+              if script == "grpo" else ["--batch-size", "4", "--num-val-rows", "0"])
+    main = lambda *more: run_script_main(module.main, f"{script}.py", [*flags, *more], capsys)  # noqa: E731
+    assert main("--data-path", str(tmp_path / "data.jsonl"))[0] == 0
+    code, err = main("--data-path", str(tmp_path / "copy.jsonl"), "--resume-from", str(run / "checkpoint-1"))
+    assert code == 0, err
+    code, err = main("--data-path", str(tmp_path / "other.jsonl"), "--resume-from", str(run / "checkpoint-1"))
+    assert code == 2 and "--resume-from" in err
 
 
 def test_minibatches_must_give_every_process_an_equal_share():
@@ -365,9 +428,15 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
     assert grpo.final_step(str(run)) == 2 and (run / "final" / "trainer_state.pt").is_file()
     assert not (run / "summary.json").exists()
     monkeypatch.setattr(grpo, "evaluate", real_evaluate)
+    with open(run / "metrics.jsonl", "a") as f:  # a row torn by a crash mid-write made every resume a traceback
+        f.write('{"step": 3, "rew')
     code, out, _ = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
     assert code == 0 and "nothing to do" not in out and "eval accuracy at step 2" in out
-    assert read_summary(run)["steps"] == 2 and [row["step"] for row in read_metrics(run)] == [1, 2]
+    summary = read_summary(run)
+    assert summary["steps"] == 2 and [row["step"] for row in read_metrics(run)] == [1, 2]
+    # no step ran in the resumed process: no throughput (it read 0.0 tokens/s, as if the steps had been endless)
+    assert [summary[key] for key in ("generated_tokens_per_s", "trained_tokens_per_s", "model_tflops_per_s")] == [
+        None] * 3
     code, out, _ = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
     assert code == 0 and "nothing to do" in out  # now it is finished
 

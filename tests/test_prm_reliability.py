@@ -129,6 +129,9 @@ BAD_INPUTS = {
                                    "its directory cannot be created, "),
     "scores output without rows to score": (lambda tmp: ["--scores-output", str(tmp / "scores.jsonl")],
                                             "--scores-output", "give --score-data-path rows.jsonl too"),
+    "negative seed": (lambda tmp: ["--seed", "-1"], "--seed", "must be in [0, 2**32), got -1"),
+    "lora alpha of 0": (lambda tmp: ["--lora-r", "4", "--lora-alpha", "0"], "--lora-alpha", "must be > 0"),
+    "device this torch has no support for": (lambda tmp: ["--device", "mps"], "--device mps", "not usable here"),
     "held-out rows beyond the built-in pool": (lambda tmp: ["--num-val-rows", "1000", "--num-eval-rows", "1001"],
                                                "--num-val-rows + --num-eval-rows", "must be at most that, got 2001"),
     # resuming
@@ -673,9 +676,13 @@ def test_a_stop_during_the_final_evaluation_keeps_the_final_model(tmp_path, caps
     assert not (out / "summary.json").exists()
     # resumed, the run is not taken for finished: it has no summary yet, which the final evaluation writes
     monkeypatch.setattr(prm, "evaluate_prm", real_evaluate)
+    with open(out / "metrics.jsonl", "a") as f:  # a row torn by a crash mid-write made every resume a traceback
+        f.write('{"step": 3, "los')
     code, stdout, err = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
     assert code == 0 and "nothing to do" not in stdout, err
-    assert read_summary(out)["steps"] == 2 and prm.final_step(str(out)) == 2
+    summary = read_summary(out)
+    assert summary["steps"] == 2 and prm.final_step(str(out)) == 2
+    assert summary["tokens_per_s"] is None and summary["model_tflops_per_s"] is None  # no step ran: not 0.0
     assert all("step_time_s" in row for row in read_all_metrics(out))  # no eval rows: no evaluation rows
 
 
