@@ -1294,11 +1294,12 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         if device.index >= torch.cuda.device_count():
             raise UserError(f"--device {name}: there is no {device} here ({torch.cuda.device_count()} CUDA devices "
                             "visible); use --device cpu or auto")
-    try:  # a device type this torch knows but this machine lacks (mps on Linux, xpu without one)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as error:
-        raise UserError(f"--device {name}: not usable here ({str(error).splitlines()[0]}); use --device cpu, cuda "
-                        "or auto") from None
+    if device.type not in ("cpu", "cuda"):  # a type this torch knows but this machine lacks (mps on Linux)
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as error:
+            raise UserError(f"--device {name}: not usable here ({str(error).splitlines()[0]}); use --device cpu, "
+                            "cuda or auto") from None
     return device
 
 
