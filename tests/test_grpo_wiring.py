@@ -717,10 +717,10 @@ def test_resume_keeps_the_schedules_position(tmp_path, capsys):
     assert rates[2] < rates[0] and [row["learning_rate"] for row in read_metrics(resumed)] == rates[2:]
 
 
-OTHER_SETTINGS = {"model": "other", "data_path": "x.jsonl", "lora_r": 4, "lora_alpha": 8, "lora_target_modules":
+OTHER_SETTINGS = {"model": "other", "lora_r": 4, "lora_alpha": 8, "lora_target_modules":
                   "q_proj", "chat_template": False, "prompts_per_step": 8, "group_size": 8, "num_iterations": 2,
                   "num_minibatches": 2, "loss_type": "grpo", "importance_sampling": "sequence", "kl_coef": 0.5,
-                  "seed": 2, "fsdp": True}  # not read from RESUME_MUST_MATCH
+                  "seed": 2, "fsdp": True}  # not read from RESUME_MUST_MATCH (the data: its content, tested apart)
 
 
 @pytest.mark.parametrize("key", OTHER_SETTINGS)

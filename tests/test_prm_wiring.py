@@ -451,9 +451,11 @@ def test_score_mode_skips_bad_rows_when_asked(tmp_path, capsys):
     assert len((tmp_path / "scores.jsonl").read_text().splitlines()) == 1
 
 
-OTHER_SETTINGS = {"model": "other", "data_path": "x.jsonl", "num_val_rows": 7, "step_separator": "\n\n",
+# listed here, not read from RESUME_MUST_MATCH; the data is checked by its content, not its path (see
+# test_a_run_resumes_with_its_data_file_given_by_another_path)
+OTHER_SETTINGS = {"model": "other", "num_val_rows": 7, "step_separator": "\n\n",
                   "max_length": 64, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": "q_proj", "loss_kind": "mse",
-                  "batch_size": 3, "seed": 2, "fsdp": True}  # listed here, not read from RESUME_MUST_MATCH
+                  "batch_size": 3, "seed": 2, "fsdp": True}
 
 
 @pytest.mark.parametrize("key", OTHER_SETTINGS)
