@@ -476,16 +476,34 @@ def load_jsonl_prompts(path: str) -> list[dict]:
     return rows
 
 
-# a number: thousands separated by commas only in groups of three ("1,234"; "1,2" is two numbers, not 12), a
-# decimal part, a leading-dot decimal (".5", but not the ".5" of "...5" or "1.2.5"), or a fraction "a/b"
-_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)(?:/\d+)?")
+# a number: a minus sign unless it follows a word or ")" (the 3 of "8-3" or "ages 5-7" is no -3), thousands
+# separated by commas only in groups of three ("1,234"; "1,2" is two numbers, not 12), a decimal part, a
+# leading-dot decimal (".5", but not the ".5" of "...5" or "1.2.5"), then an exponent ("1.5e-3", of at most 3 digits:
+# Fraction would build 10^n) or a fraction "a/b"
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"
+                     r"(?:[eE][-+]?\d{1,3}(?!\d)|/\d+)?")
 # \frac{a}{b}, \dfrac or \tfrac, after a whole number when it is a mixed number (2\frac{1}{2}, not the 2 of x^2)
 _LATEX_FRACTION = re.compile(r"(?:(?<![\w^.])(-?\d+)\s*)?\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 
 
-def parse_number(text: str) -> Optional[Fraction]:
-    """'1,234' -> 1234, '7.50' -> 15/2, '$3' -> 3, '1/2' -> 1/2, '.5' -> 1/2; None when text holds no number."""
-    match = _NUMBER.search(text.replace("$", ""))
+# what only writes a number differently: LaTeX thousands separators (1{,}000, 10,\!000), a Unicode minus, currency
+# and percent signs (the answer 18 is stated by $18 or 18%)
+_NUMBER_SPELLINGS = (("{,}", ","), (",\\!", ","), ("\u2212", "-"), ("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""))
+
+
+def normalise_math(text: str) -> str:
+    """Numbers written one way: the spellings above, and \\frac{a}{b} as a/b (see latex_fraction_as_text)."""
+    for spelling, plain in _NUMBER_SPELLINGS:
+        text = text.replace(spelling, plain)
+    return _LATEX_FRACTION.sub(latex_fraction_as_text, text)
+
+
+def parse_number(text: str, whole: bool = False) -> Optional[Fraction]:
+    """'1,234' -> 1234, '7.50' -> 15/2, '$3' -> 3, '1/2' -> 1/2, '.5' -> 1/2, '1e3' -> 1000, '\\frac{1}{2}' -> 1/2;
+    None when text holds no number. whole: the text must be nothing but the number (a final period aside): the
+    first number of \\sqrt{2}, x^2 or (1, 2) is not their value."""
+    text = normalise_math(text).strip()
+    match = _NUMBER.fullmatch(text.removesuffix(".").strip()) if whole else _NUMBER.search(text)
     if match is None:
         return None
     try:
@@ -520,27 +538,33 @@ def last_boxed(text: str) -> Optional[tuple[str, int]]:
 
 
 def final_answer(completion: str) -> Optional[str]:
-    """The answer a completion states: after `####`, inside \\boxed{} (\\frac{a}{b} read as a/b), or else its last
-    number."""
-    if "####" in completion:
-        return completion.split("####")[-1].strip()
+    """The answer a completion states (numbers normalised, \\frac{a}{b} read as a/b): the first number after a
+    final `####` (or its text, if none), the content of the last \\boxed{}, or else its last number. A `####` counts
+    only on the completion's last line, as GSM8K writes it: a Markdown heading (`#### Step 2: ...`) followed by
+    more lines is no answer marker (its first number, 2, was read as the answer)."""
+    completion = normalise_math(completion)
+    marked = completion.split("####")[-1].strip() if "####" in completion else None
+    if marked is not None and "\n" not in marked:
+        number = _NUMBER.search(marked)
+        return number.group(0) if number else marked
     boxed = last_boxed(completion)
     if boxed is not None:
-        return _LATEX_FRACTION.sub(latex_fraction_as_text, boxed[0])
-    numbers = _NUMBER.findall(completion.replace("$", ""))
+        return boxed[0]
+    numbers = _NUMBER.findall(completion)
     return numbers[-1] if numbers else None
 
 
 def answer_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion's final answer equals the reference as a number (or as text, if not a number; a
-    completion with no `####`, \\boxed{} or number states its whole text)."""
+    """1.0 when the completion's final answer equals the reference as a number, both being nothing but a number
+    (else as text, spaces aside: 2\\sqrt{3} is not the number 2; a completion with no `####`, \\boxed{} or number
+    states its whole text)."""
     stated = final_answer(completion)
     if stated is None:
         return float(parse_number(answer) is None and completion.strip() == answer.strip())
-    stated_value, answer_value = parse_number(stated), parse_number(answer)
+    stated_value, answer_value = parse_number(stated, whole=True), parse_number(answer, whole=True)
     if stated_value is not None and answer_value is not None:
         return float(stated_value == answer_value)
-    return float(stated.strip() == answer.strip())
+    return float("".join(stated.split()) == "".join(normalise_math(answer).split()))
 
 
 _CANONICAL_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
@@ -552,7 +576,8 @@ def format_reward(completion: str, answer: str) -> float:
     text = completion.strip()
     boxed = last_boxed(text)
     boxed_last = boxed is not None and boxed[1] == len(text) and boxed[0].strip() != ""
-    stated_last = re.search(r"####\s*-?\d[\d,.]*$", text) is not None or boxed_last
+    marked = re.search(r"####\s*(\S+)$", text)  # a number, nothing else: not "#### 5,,," nor "#### 1.2.3"
+    stated_last = (marked is not None and _NUMBER.fullmatch(marked.group(1)) is not None) or boxed_last
     return 1.0 if _CANONICAL_NUMBER.fullmatch(text) or stated_last else 0.0
 
 
@@ -986,6 +1011,7 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
     totals = torch.zeros(len(completions), dtype=torch.float32)
     per_fn = {}
     for name, fn, weight in reward_fns:
+        raised = set()  # samples whose reward raised (reported once, not again as the NaN it now is)
         if name == "prm":
             try:
                 values = [float(v) for v in fn(prompts, completions)]
@@ -1001,10 +1027,12 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
                 try:
                     values.append(float(fn(completion, answer)))
                 except Exception as error:
+                    raised.add(index)
                     values.append(_reward_failure(name, sample_indices[index], completion,
                                                   f"{type(error).__name__}: {error}", on_error))
         for index, value in enumerate(values):
-            if not math.isfinite(value):
+            # (beyond float32's range a finite value becomes inf in the rewards tensor)
+            if index not in raised and not (math.isfinite(value) and abs(value) <= torch.finfo(torch.float32).max):
                 values[index] = _reward_failure(name, sample_indices[index], completions[index], f"returned {value}",
                                                 on_error)
         per_fn[name] = torch.tensor(values, dtype=torch.float32)
@@ -1034,6 +1062,10 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
             process_reward_model = prm.load_prm(args.prm_path, device=device)
         except prm.UserError as error:  # another module's class: main() reports only this script's
             raise UserError(f"--prm-path: {error}") from None
+        if args.prm_aggregate == "prod" and process_reward_model.config["loss_kind"] == "mse":
+            raise UserError(f"--prm-aggregate prod multiplies probabilities, and {args.prm_path} was trained with "
+                            "--loss-kind mse: its scores are raw values (a product of two negatives is positive); "
+                            "use min, last or mean")
         separator = args.prm_step_separator or process_reward_model.config["step_separator"]
 
         truncation_reported = []

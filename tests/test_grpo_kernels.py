@@ -1436,6 +1436,20 @@ def test_generate_never_feeds_back_the_last_token():
     ("  Paris\n", "Paris", 1.0),
     ("The capital is Paris", "Paris", 0.0),
     ("42", "Paris", 0.0),
+    # a Markdown heading is no GSM8K marker: only a `####` on the last line is (its first number was the answer)
+    ("#### Step 1: add\n5 + 7 = 12\n#### Step 2: double\n12 * 2 = 24\nso \\boxed{24}", "24", 1.0),
+    ("#### Step 1: add\n5 + 7 = 12\n#### Step 2: double\n12 * 2 = 24\nso \\boxed{24}", "2", 0.0),
+    ("#### 72 dollars", "72", 1.0),
+    # a boxed text that is not a number is compared as text, not by its first number
+    ("\\boxed{\\sqrt{2}}", "2", 0.0), ("\\boxed{x^2}", "2", 0.0), ("\\boxed{(1, 2)}", "1", 0.0),
+    ("\\boxed{2\\sqrt{3}}", "2", 0.0), ("\\boxed{2}", "2\\sqrt{3}", 0.0), ("\\boxed{2 \\sqrt{3}}", "2\\sqrt{3}", 1.0),
+    # LaTeX thousands separators, \\frac outside a box, exponents, a Unicode minus, % and $
+    ("\\boxed{1{,}000}", "1000", 1.0), ("\\boxed{1{,}000}", "1", 0.0), ("\\boxed{10}", "10,\\!000", 0.0),
+    ("#### \\frac{1}{2}", "0.5", 1.0), ("#### \\frac{1}{2}", "1", 0.0), ("so it is \\(\\frac{1}{2}\\)", "2", 0.0),
+    ("#### 1e3", "1000", 1.0), ("#### 1e3", "1", 0.0), ("The answer is 1", "1e-5", 0.0), ("#### 1.5", "1.5e-3", 0.0),
+    ("The answer is \u22125", "-5", 1.0), ("The answer is \u22125", "5", 0.0), ("\\boxed{18\\%}", "18", 1.0),
+    # a hyphen after a digit or word is no minus sign
+    ("x = 8-3", "3", 1.0), ("x = 8-3", "-3", 0.0), ("ages 5-7", "7", 1.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
@@ -1460,7 +1474,7 @@ def test_final_answer_reads_fractions_and_unclosed_boxes():
 
 @pytest.mark.parametrize("completion, expected", [
     ("42", 1.0), ("-3.5", 1.0), ("07", 0.0), ("4 2", 0.0), ("so #### 12", 1.0), ("so #### -3", 1.0),
-    ("#### 12 ok", 0.0),
+    ("#### 12 ok", 0.0), ("#### 5,,,,", 0.0), ("#### 1.2.3.4", 0.0), ("#### 1,234", 1.0),
     ("so \\boxed{\\frac{1}{2}}", 1.0), ("so \\boxed{}", 0.0), ("\\boxed{3} more", 0.0),
 ])
 def test_format_reward(completion, expected):
@@ -1480,6 +1494,21 @@ def test_a_failing_batched_reward_is_reported_or_skipped(capsys):
     assert per_fn["answer"].tolist() == [1.0, 0.0]
     warnings = capsys.readouterr().err.strip().splitlines()
     assert len(warnings) == 1 and "PRM out of memory" in warnings[0]  # one failure, not one "returned nan" a sample
+
+
+def test_a_raising_reward_is_reported_once_and_an_overflowing_one_is_a_failure(capsys):
+    """Under skip a reward that raised was warned of twice (then as the NaN it had become); a finite value beyond
+    float32's range became inf in the rewards tensor, past the finiteness check, and made the advantages NaN."""
+    def raising_on_two(completion, answer):
+        if completion == "2":
+            raise ValueError("cannot parse")
+        return 1e39 if completion == "3" else 1.0
+
+    totals, _ = compute_rewards(["p"] * 3, ["1", "2", "3"], ["1"] * 3, [("answer", raising_on_two, 1.0)], "skip")
+    assert totals[0] == 1.0 and torch.isnan(totals[1:]).all()
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 2 and "sample 1 " in warnings[0] and "cannot parse" in warnings[0]
+    assert "sample 2 " in warnings[1] and "returned 1e+39" in warnings[1]
 
 
 def test_a_failed_reward_names_the_sample_by_its_index_in_the_whole_batch(capsys):

@@ -387,3 +387,7 @@ def test_prm_reward_from_a_trained_prm(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("warning: 1 of 2 completions have steps past the PRM's max length (18 tokens)") == 1
     assert "of 1 completions" not in err
+    # prod multiplies probabilities: an mse PRM's raw scores would make two negatives a positive reward
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "loss_kind": "mse"}))
+    with pytest.raises(grpo.UserError, match="--prm-aggregate prod multiplies probabilities.*use min, last or mean"):
+        grpo.make_reward_fns(grpo.Args(prm_path=str(prm_dir / "final"), prm_aggregate="prod"), torch.device("cpu"))
