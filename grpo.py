@@ -1155,20 +1155,22 @@ def weight_counts(model) -> tuple[int, int]:
 
 
 def step_flops(body: int, head: int, *, unique_prompt_tokens: int, reference_prompt_tokens: int,
-               update_prompt_tokens: int, completion_tokens: int, reference: bool, iterations: int,
-               full_finetune: bool, old_prompt_tokens: int = 0, old_completion_tokens: int = 0) -> float:
+               update_prompt_tokens: int, completion_tokens: int, rows: int, reference: bool, iterations: int,
+               full_finetune: bool, old_prompt_tokens: int = 0, old_completion_tokens: int = 0,
+               old_rows: int = 0) -> float:
     """Model FLOPs of one step, matmuls only (attention scores left out): 2 per weight per token forward; backward
     2 for the input gradients, and 2 more for the weight gradients of trained weights (not LoRA's frozen ones).
-    The rollout prefills each distinct prompt once and feeds every generated token back; the reference pass and
-    each update pass process the prompt tokens they encode (fewer when prompts are shared, see --share-prompts)
-    and the completions, with logits at the completion positions only. old_*: the tokens of the forward pass that
-    takes the rollout policy's log-probs of the minibatches after the first (--num-minibatches above 1)."""
-    def forward(prompt_tokens: int, completions: int = completion_tokens) -> int:
-        return 2 * (body * (prompt_tokens + completions) + head * completions)
-    rollout = 2 * body * unique_prompt_tokens + 2 * (body + head) * completion_tokens
+    The rollout prefills each distinct prompt once and feeds back every generated token but each row's last; the
+    reference pass and each update pass process the prompt tokens they encode (fewer when prompts are shared, see
+    --share-prompts) and every completion token but each row's last (of the `rows` completions), with logits at
+    the completion positions only. old_*: the tokens of the forward pass that takes the rollout policy's log-probs
+    of the minibatches after the first (--num-minibatches above 1)."""
+    def forward(prompt_tokens: int, completions: int = completion_tokens, rows: int = rows) -> int:
+        return 2 * (body * (prompt_tokens + completions - rows) + head * completions)
+    rollout = 2 * body * (unique_prompt_tokens + completion_tokens - rows) + 2 * head * completion_tokens
     update_passes = iterations * (3 if full_finetune else 2)
     return (rollout + int(reference) * forward(reference_prompt_tokens) + update_passes * forward(update_prompt_tokens)
-            + forward(old_prompt_tokens, old_completion_tokens))
+            + forward(old_prompt_tokens, old_completion_tokens, old_rows))
 
 
 @torch.no_grad()
@@ -1937,9 +1939,10 @@ def train(args: Args) -> dict:
             step_model_flops.append(step_flops(
                 body_weights, head_weights, unique_prompt_tokens=sum(prompt_lengths),
                 reference_prompt_tokens=sum(encoded) if args.kl_coef != 0.0 else 0, update_prompt_tokens=sum(encoded),
-                completion_tokens=n_generated, reference=args.kl_coef != 0.0, iterations=args.num_iterations,
-                full_finetune=args.lora_r == 0, old_prompt_tokens=sum(encoded[first:]),
-                old_completion_tokens=int(sum(completion_lengths[minibatch_rows:]))))
+                completion_tokens=n_generated, rows=local_batch, reference=args.kl_coef != 0.0,
+                iterations=args.num_iterations, full_finetune=args.lora_r == 0, old_prompt_tokens=sum(encoded[first:]),
+                old_completion_tokens=int(sum(completion_lengths[minibatch_rows:])),
+                old_rows=local_batch - minibatch_rows))
             # every figure is a sum over the batch, so that summing over processes gives the whole batch's: token-
             # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
             # completions, and the sum of squares for the std; log-prob gaps

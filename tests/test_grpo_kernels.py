@@ -1205,23 +1205,25 @@ def test_lr_schedule_by_hand():
 
 
 def test_step_flops_by_hand():
-    # body 10 weights, head 3; 4 prompt tokens over the batch (1 distinct prompt token), 5 completion tokens.
-    # a pass over every row: 2 * (10 * (4 + 5) + 3 * 5) = 210; rollout: 2 * 10 * 1 + 2 * 13 * 5 = 150
-    common = dict(unique_prompt_tokens=1, reference_prompt_tokens=4, update_prompt_tokens=4, completion_tokens=5)
-    assert step_flops(10, 3, **common, reference=False, iterations=1, full_finetune=True) == 150 + 3 * 210
-    assert step_flops(10, 3, **common, reference=True, iterations=1, full_finetune=True) == 150 + 4 * 210
-    assert step_flops(10, 3, **common, reference=True, iterations=2, full_finetune=False) == 150 + 5 * 210
-    # shared prompts: a pass that encodes 2 prompt tokens costs 2 * (10 * (2 + 5) + 3 * 5) = 170
+    # body 10 weights, head 3; 4 rows of 1 prompt token each (1 distinct prompt token), 5 completion tokens. Each
+    # row's last completion token is only a target, never fed: a pass over every row processes 4 + 5 - 4 positions,
+    # 2 * (10 * 5 + 3 * 5) = 130; the rollout prefills 1 and feeds back 5 - 4: 2 * 10 * 2 + 2 * 3 * 5 = 70
+    common = dict(unique_prompt_tokens=1, reference_prompt_tokens=4, update_prompt_tokens=4, completion_tokens=5,
+                  rows=4)
+    assert step_flops(10, 3, **common, reference=False, iterations=1, full_finetune=True) == 70 + 3 * 130
+    assert step_flops(10, 3, **common, reference=True, iterations=1, full_finetune=True) == 70 + 4 * 130
+    assert step_flops(10, 3, **common, reference=True, iterations=2, full_finetune=False) == 70 + 5 * 130
+    # shared prompts: a pass that encodes 2 prompt tokens costs 2 * (10 * (2 + 5 - 4) + 3 * 5) = 90
     shared = dict(common, reference_prompt_tokens=2)
-    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 150 + 170 + 3 * 210
+    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 70 + 90 + 3 * 130
     shared = dict(common, reference_prompt_tokens=2, update_prompt_tokens=2)
-    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=False) == 150 + 170 + 2 * 170
-    shared = dict(common, update_prompt_tokens=2)  # gradient checkpointing the other way round: not mixed up
-    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 150 + 210 + 3 * 170
-    # --num-minibatches above 1: the later minibatches' rollout log-probs take one more forward, here over 1 prompt
-    # token and 2 completion tokens: 2 * (10 * (1 + 2) + 3 * 2) = 72
+    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=False) == 70 + 90 + 2 * 90
+    shared = dict(common, update_prompt_tokens=2)  # the reference pass and the updates: not mixed up
+    assert step_flops(10, 3, **shared, reference=True, iterations=1, full_finetune=True) == 70 + 130 + 3 * 90
+    # --num-minibatches above 1: the later minibatches' rollout log-probs take one more forward, here over 1 row of
+    # 1 prompt token and 2 completion tokens: 2 * (10 * (1 + 2 - 1) + 3 * 2) = 52
     assert step_flops(10, 3, **shared, reference=True, iterations=2, full_finetune=True, old_prompt_tokens=1,
-                      old_completion_tokens=2) == 150 + 210 + 6 * 170 + 72
+                      old_completion_tokens=2, old_rows=1) == 70 + 130 + 6 * 90 + 52
 
 
 def test_prompt_sharing_plans():
