@@ -15,7 +15,8 @@ probes it runs in a subprocess (matmul throughput, model sizes, PRM data) use th
 
 Settings (the harness README, "Comparing with your own script"):
   GRPO: tiny-model / small-model, the harness's 100 "a+b=" prompts (written to a JSONL here), 2 prompts x 8
-        generations, at most 8 new tokens (--max-new-tokens), beta (KL coef) 0.05, lr 1e-3, loss dapo,
+        generations, at most 8 new tokens (--max-new-tokens), beta (KL coef) 0.05, lr 0 (see main's cfg: the two
+        sides' rewards differ, and trained their completion lengths would drift apart), loss dapo,
         group-scaled rewards, temperature 1, 30 steps, fp32, no gradient checkpointing, no evaluation; full
         fine-tuning, and (grpo_*_lora) LoRA r 8 / alpha 16 / dropout 0 on q,k,v,o,gate,up,down, the reference
         log-probs from the base model with the adapters disabled on both sides (the harness has no LoRA flag for
@@ -35,10 +36,9 @@ Settings (the harness README, "Comparing with your own script"):
   GRPO accumulated (grpo_small_accum): the small model, completions of up to 64 new tokens (ACCUM_NEW_TOKENS:
         lengths vary, the random model says EOS now and then), gradients accumulated over micro-batches of 4
         (ours --micro-batch-size 4; TRL per_device_train_batch_size 4 x gradient_accumulation_steps 4, which
-        samples the 16 completions at once and makes one optimizer step over them, as ours does), learning rate
-        0 on both sides (see main's cfg: every pass still runs, and both keep the initial policy's
-        completion lengths). grpo.py cuts each micro-batch to its longest completion and groups completions of
-        like length (--group-by-length); TRL pads every micro-batch to the batch's longest.
+        samples the 16 completions at once and makes one optimizer step over them, as ours does). grpo.py cuts
+        each micro-batch to its longest completion and groups completions of like length (--group-by-length); TRL
+        pads every micro-batch to the batch's longest.
   Differences that do not change the work per step: the learning-rate schedule (TRL linear decay, ours
   constant), Adam beta2 (0.999 vs 0.99), the sampled batches (each side's own seeded order) and the KL term's
   gradient (TRL 1.16 weights k3 by the ratio by default, use_bias_correction_kl, which the harness leaves on: one
@@ -671,12 +671,13 @@ def main(argv=None) -> int:
         long, accum = name.endswith("_long"), name.endswith("_accum")
         cfg = {"kind": kind, "size": size, "model": models[size], "lora": name.endswith("_lora"),
                # grpo_small_accum: longer completions, in micro-batches (of the 16 completions a step samples)
-               # with gradient accumulation, and learning rate 0, so that both sides keep sampling from the initial
-               # policy, whose completion lengths are the same in expectation; trained, each side's lengths drift
-               # their own way (a run at 1e-3: 55 tokens on average against TRL's 43), and with them the work per
-               # step. Every pass, gradient and AdamW step still runs
+               # with gradient accumulation. GRPO at learning rate 0: the harness's TRL reward (a completion's
+               # leading integer) is not grpo.py's (its last number), so trained, the two policies' completion
+               # lengths, and with them the work per step, drift apart (a run at 1e-3 with 64 new tokens: 55 tokens
+               # on average against TRL's 43); at 0 both keep sampling from the initial policy. Every pass,
+               # gradient and AdamW step still runs
                "new_tokens": ACCUM_NEW_TOKENS if accum else a.max_new_tokens,
-               "micro_batch": ACCUM_MICRO_BATCH if accum else 16, "learning_rate": "0" if accum else "1e-3",
+               "micro_batch": ACCUM_MICRO_BATCH if accum else 16, "learning_rate": "0" if kind == "grpo" else "1e-3",
                "prompts": "grpo_prompts_long" if long else "grpo_prompts", "max_prompt_length": 80 if long else 16}
         r = results[name] = {"cfg": cfg, "pairs": []}
         if kind == "grpo":
