@@ -52,11 +52,12 @@ median over windows). The model FLOPs of one step, per sequence of P prompt + C 
         LM-head matmul), needed only at the C positions that predict a completion token; P + C - 1 positions
         are processed (the last sampled token is never fed back). Attention-score FLOPs are left out (context
         <= 13 tokens here: about 0.2% of F_fwd on the small model).
-    F_step = F_rollout + B * (F_fwd [reference forward] + 3 * F_fwd [policy forward + backward]), with LoRA
-             2 * F_fwd for the latter (the backward computes no gradients for the frozen weights; the adapters'
-             own rank-8 products are left out); F_rollout = 2 * (N_body * (B / 8 * P + B * (C - 1)) + N_head * B * C):
-             each of the B / 8 prompts prefilled once (the least the work needs; TRL prefills it for each of
-             its 8 completions, grpo.py once), then C - 1 tokens fed back per sequence
+    F_step = B * (F_fwd [rollout: prefill + KV-cached decode] + F_fwd [reference forward] + 3 * F_fwd [policy
+             forward + backward])  =  5 * B * F_fwd; with LoRA 4 * B * F_fwd (the backward computes no gradients
+             for the frozen weights; the adapters' own rank-8 products are left out). Every sequence is counted
+             whole in every pass, as MFU counts tokens: grpo.py computes less where it encodes a prompt once for
+             its 8 completions (the rollout's prefill always; the other passes with --share-prompts), so its
+             fraction can pass 1 (69-token prompts); its summary's flop_floor_fraction counts what it computes.
     C = the mean completion length our run logged (timed steps); P = mean prompt tokens (with BOS).
     floor fraction = (F_step / R) / measured time per step. Printed for TRL too (same F_step, for context).
 
@@ -424,13 +425,11 @@ def med(vals):
     return statistics.median(vals) if vals else None
 
 
-def grpo_step_flops(info: dict, batch: int, group: int, completion_len: float, lora: bool) -> float:
+def grpo_step_flops(info: dict, batch: int, completion_len: float, lora: bool) -> float:
     p, c = info["prompt_tokens_mean"], completion_len
     f_fwd = 2 * (info["n_body"] * (p + c - 1) + info["n_head"] * c)
-    # rollout: each prompt prefilled once, C - 1 tokens fed back per sequence
-    rollout = 2 * (info["n_body"] * (batch / group * p + batch * (c - 1)) + info["n_head"] * batch * c)
-    # reference fwd + policy fwd/bwd (3x; 2x with LoRA: no gradients for the frozen weights)
-    return rollout + (3 if lora else 4) * batch * f_fwd
+    # rollout fwd + reference fwd + policy fwd/bwd (3x; 2x with LoRA: no gradients for the frozen weights)
+    return (4 if lora else 5) * batch * f_fwd
 
 
 def report(results: dict, a, notes: list[str]) -> str:
@@ -495,7 +494,7 @@ def report(results: dict, a, notes: list[str]) -> str:
             for p in pairs:
                 if not (info and p.get("matmul") and p["ours"].get("completion_length") is not None):
                     continue
-                flops = grpo_step_flops(info, 16, 8, p["ours"]["completion_length"], r["cfg"]["lora"])
+                flops = grpo_step_flops(info, 16, p["ours"]["completion_length"], r["cfg"]["lora"])
                 floor = flops / (p["matmul"]["gflops_median"] * 1e9)
                 floors.append((flops, floor))
                 if p["ours"].get("step_s"):
