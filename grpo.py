@@ -1782,8 +1782,13 @@ def train(args: Args) -> dict:
             # lengths (--group-by-length, see micro_batch_rows) 57% and 66%
             prompt_lengths = [len(ids) for ids in prompt_list]
             completion_lengths = completion_mask.sum(1).tolist()  # one host copy per step
+            # Under --gradient-checkpointing transformers drops the cache in the training pass, so no pass shares
+            # prompts: the reference must be scored as the policy is, else rounding differences (~5e-7) between the
+            # two ways give a policy identical to its reference a KL gradient of noise that AdamW scales up to
+            # full-size steps (measured: KL 0.1 by step 3 with equal rewards)
+            share_mode = "never" if args.gradient_checkpointing else args.share_prompts
             row_lists = [rows for minibatch in micro_batch_rows(
-                completion_lengths, prompt_lengths, args.group_size, minibatch_rows, micro_batch, args.share_prompts,
+                completion_lengths, prompt_lengths, args.group_size, minibatch_rows, micro_batch, share_mode,
                 by_length=args.group_by_length) for rows in minibatch]
             prompts_of = [[row // args.group_size for row in rows] for rows in row_lists]
             longest_prompts = [max(prompt_lengths[p] for p in prompts) for prompts in prompts_of]
@@ -1797,12 +1802,7 @@ def train(args: Args) -> dict:
                 widths = torch.tensor([longest_prompts, longest_completions], device=device)  # [2, micro-batches]
                 dist.all_reduce(widths, op=dist.ReduceOp.MAX)
                 sharing_widths, longest_completions = widths.tolist()
-            # Under --gradient-checkpointing transformers drops the cache in the training pass, so no pass shares
-            # prompts: the reference must be scored as the policy is, else rounding differences (~5e-7) between the
-            # two ways give a policy identical to its reference a KL gradient of noise that AdamW scales up to
-            # full-size steps (measured: KL 0.1 by step 3 with equal rewards)
-            plans = [None if args.gradient_checkpointing else prompt_sharing(prompts, width, args.share_prompts)
-                     for prompts, width in zip(prompts_of, sharing_widths)]
+            plans = [prompt_sharing(prompts, width, share_mode) for prompts, width in zip(prompts_of, sharing_widths)]
             if args.fsdp:
                 # and the same choice to share: with --group-by-length one process's micro-batch may hold rows of
                 # more prompts than another's (fewer repeated prompt positions, under auto's threshold), so prompts
@@ -1938,7 +1938,7 @@ def train(args: Args) -> dict:
             first = len(micro_batches_of[0])  # the first minibatch's micro-batches: no old log-prob pass
             step_model_flops.append(step_flops(
                 body_weights, head_weights, unique_prompt_tokens=sum(prompt_lengths),
-                reference_prompt_tokens=sum(encoded) if args.kl_coef != 0.0 else 0, update_prompt_tokens=sum(encoded),
+                reference_prompt_tokens=sum(encoded), update_prompt_tokens=sum(encoded),
                 completion_tokens=n_generated, rows=local_batch, reference=args.kl_coef != 0.0,
                 iterations=args.num_iterations, full_finetune=args.lora_r == 0, old_prompt_tokens=sum(encoded[first:]),
                 old_completion_tokens=int(sum(completion_lengths[minibatch_rows:])),
