@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import grpo
@@ -163,6 +164,42 @@ def test_max_grad_norm_clips_what_the_optimiser_steps_on(limit, tmp_path, capsys
             assert norm == pytest.approx(1e-3, rel=1e-3)  # scaled down to the limit, not zeroed
         else:  # 0 = off, and a limit above the norm: the gradient is left as it is
             assert norm == pytest.approx(row["grad_norm"], rel=1e-4)
+
+
+def gradients_held_at_each_backward(run) -> list[int]:
+    """Run `run()` and count, at every backward pass after the first update, the gradients of earlier updates that
+    something still holds. Each is as large as its weight: one set held over doubles the gradient memory at the
+    peak, where the next backward allocates its own."""
+    applied, held = [], []
+
+    def record(optimizer, args, kwargs):
+        applied.extend(StorageWeakRef(p.grad.untyped_storage()) for group in optimizer.param_groups
+                       for p in group["params"] if p.grad is not None)
+
+    real_backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        if applied:
+            held.append(sum(not ref.expired() for ref in applied))
+        return real_backward(self, *args, **kwargs)
+
+    handle = register_optimizer_step_pre_hook(record)
+    torch.Tensor.backward = backward
+    try:
+        run()
+    finally:
+        torch.Tensor.backward = real_backward
+        handle.remove()
+    return held
+
+
+@pytest.mark.parametrize("micro_batch", ["0", "4"])
+def test_no_gradient_outlives_its_update(micro_batch, tmp_path, capsys):
+    held = gradients_held_at_each_backward(lambda: train_in_process(
+        tmp_path / "run", [*QUICK, "--total-steps", "3", "--num-eval-prompts", "0", "--micro-batch-size",
+                           micro_batch], capsys))
+    assert len(held) >= 2  # the backward passes of steps 2 and 3 (each micro-batch's)
+    assert held == [0] * len(held), f"gradients of an earlier update still held at each later backward: {held}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import prm
 from test_prm import REPO_ROOT, builtin_rows, read_eval_rows, read_metrics, read_summary, write_rows
@@ -203,6 +204,40 @@ def test_max_grad_norm_bounds_the_gradient_the_optimiser_applies(lora, tmp_path,
         assert seen == pytest.approx(logged, rel=1e-5)
     # the first step starts from the same weights and batch: the same gradient before clipping, whatever the limit
     assert results["1e-3"][1][0] == pytest.approx(results["1e6"][1][0], rel=1e-6)
+
+
+def gradients_held_at_each_backward(monkeypatch) -> list[int]:
+    """Counts, at every backward pass after the first update, the gradients of earlier updates that something still
+    holds. Each is as large as its weight: one set held over doubles the gradient memory at the peak, where the
+    next backward allocates its own."""
+    applied, held = [], []
+
+    class SpyAdamW(REAL_ADAMW):
+        def step(self, closure=None):
+            applied.extend(StorageWeakRef(p.grad.untyped_storage()) for group in self.param_groups
+                           for p in group["params"] if p.grad is not None)
+            return super().step(closure)
+
+    real_backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        if applied:
+            held.append(sum(not ref.expired() for ref in applied))
+        return real_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", SpyAdamW)
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    return held
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_no_gradient_outlives_its_update(lora, tmp_path, capsys, monkeypatch, no_matmul_probe):
+    held = gradients_held_at_each_backward(monkeypatch)
+    train_ok(["--output-dir", str(tmp_path / "run"), *FEW, "--data-path", data_file(tmp_path, 24), "--num-val-rows",
+              "0", "--batch-size", "4", "--micro-batch-size", "2", "--total-steps", "3",
+              *(["--lora-r", "4"] if lora else [])], capsys)
+    assert len(held) == 4  # two micro-batches in each of steps 2 and 3
+    assert held == [0] * 4, f"gradients of an earlier update still held at each later backward: {held}"
 
 
 def test_bf16_micro_batch_gradients_are_added_in_fp32(tmp_path, capsys, monkeypatch, no_matmul_probe):
