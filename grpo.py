@@ -447,7 +447,7 @@ def load_jsonl_prompts(path: str) -> list[dict]:
         raise UserError(f"cannot read data file {path!r}: {error.strerror or error}") from None
     for line_number, raw_line in enumerate(lines, start=1):
         try:
-            line = raw_line.decode("utf-8")
+            line = raw_line.decode("utf-8-sig")  # -sig: drops the byte-order mark Windows tools write
         except UnicodeDecodeError as error:
             raise UserError(f"{path}:{line_number}: not UTF-8 text ({error.reason} at byte {error.start} of the "
                             "line); convert the file to UTF-8") from None

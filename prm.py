@@ -433,7 +433,7 @@ def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool 
         with open(path, "rb") as f:  # bytes, decoded line by line: a non-UTF-8 line is reported with its number
             for line_number, raw in enumerate(f, start=1):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig")  # -sig: drops the byte-order mark Windows tools write
                     if not line.strip():
                         continue
                     rows.append(parse_row(line, need_labels))
@@ -488,9 +488,11 @@ def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separato
 
 
 def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int,
-                what: str = "training") -> tuple[list[dict], int, int]:
+                what: str = "training", keep_empty: bool = False) -> tuple[list[dict], int, int]:
     """Examples {input_ids, positions, labels (of the kept steps), all_labels} for the rows that keep at least one
-    step, and the numbers of dropped steps and dropped rows. what names the rows in errors."""
+    step, and the numbers of dropped steps and dropped rows. what names the rows in errors. keep_empty (held-out
+    rows) keeps a row with no step left as an example with no positions: predict gives it no score, and a first
+    error truncated away still counts in first-error F1, as a miss (left out, it would raise F1)."""
     examples, dropped_steps, dropped_rows = [], 0, 0
     for number, row in enumerate(rows, start=1):
         try:
@@ -501,7 +503,8 @@ def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: in
         dropped_steps += len(row["completions"]) - len(positions)
         if not positions:
             dropped_rows += 1
-            continue
+            if not keep_empty:
+                continue
         labels = row["labels"][:len(positions)] if "labels" in row else None
         examples.append({"input_ids": input_ids, "positions": positions, "labels": labels,
                          "all_labels": row.get("labels")})
@@ -942,8 +945,8 @@ def predict(prm: ProcessRewardModel, examples: list[dict], batch_size: int) -> l
     prm.eval()
     device = prm.head.weight.device
     pad_id = prm.tokenizer.pad_token_id if prm.tokenizer.pad_token_id is not None else 0
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
-    scores: list[list[float]] = [[] for _ in examples]
+    order = sorted((i for i, e in enumerate(examples) if e["positions"]), key=lambda i: len(examples[i]["input_ids"]))
+    scores: list[list[float]] = [[] for _ in examples]  # an example with no step kept has no score
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         batch = collate([examples[i] for i in chunk], pad_id, device, prm.pack_rows)
@@ -1210,7 +1213,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(bool(args.step_separator), "--step-separator must not be empty: each step's label sits on its "
           "separator's last token")
     check(args.max_length >= 1, f"--max-length must be at least 1, got {args.max_length}")
-    check(args.epochs is None or args.epochs > 0, f"--epochs must be > 0, got {args.epochs}")
+    check(args.epochs is None or 0 < args.epochs < math.inf,
+          f"--epochs must be > 0 and finite, got {args.epochs}")
     check(args.total_steps >= 1, f"--total-steps must be at least 1, got {args.total_steps}")
     check(args.batch_size >= 1, f"--batch-size must be at least 1, got {args.batch_size}")
     check(args.batch_size % world_size == 0, f"--batch-size {args.batch_size} must be divisible by the number of "
@@ -1485,7 +1489,8 @@ def train(args: Args) -> dict:
     dropped_steps = dropped_rows = 0
     encoded = []
     for rows, what in ((train_rows, "training"), (val_rows, "validation"), (eval_rows, "eval")):
-        examples, steps_lost, rows_lost = encode_rows(tokenizer, rows, args.step_separator, args.max_length, what)
+        examples, steps_lost, rows_lost = encode_rows(tokenizer, rows, args.step_separator, args.max_length, what,
+                                                      keep_empty=what != "training")
         encoded.append(examples)
         dropped_steps, dropped_rows = dropped_steps + steps_lost, dropped_rows + rows_lost
     train_examples, val_examples, eval_examples = encoded
@@ -1497,7 +1502,7 @@ def train(args: Args) -> dict:
         raise UserError(f"{args.score_data_path}, {problem}") from None
     if dropped_steps:
         print0(f"note: --max-length {args.max_length} dropped {dropped_steps} steps that did not fit whole, and "
-               f"{dropped_rows} rows left with no step", enabled=is_main)
+               f"{dropped_rows} rows left with no step (held-out ones still count, unscored)", enabled=is_main)
     if not train_examples:
         raise UserError(f"every training row was truncated away (--max-length {args.max_length}): raise "
                         "--max-length or shorten the prompts")

@@ -1468,6 +1468,15 @@ def test_json_number_answers_keep_their_value(tmp_path):
     assert answer_reward("0.00005", answers[0]) == 1.0 and answer_reward("5", answers[0]) == 0.0
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    """Files saved by Windows tools start with a UTF-8 byte-order mark, which json rejects."""
+    from grpo import load_jsonl_prompts
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    assert [row["prompt"] for row in load_jsonl_prompts(str(path))] == ["1+2=", "2+2="]
+
+
 def test_final_answer_reads_fractions_and_unclosed_boxes():
     assert final_answer("\\boxed{\\frac{10}{4}}") == "10/4"
     assert final_answer("\\boxed{42") == "42"  # never closed: the last number

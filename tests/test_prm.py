@@ -341,6 +341,25 @@ def test_evaluation_keeps_the_full_labels_of_truncated_rows(monkeypatch):
     assert metrics["eval_first_error_f1"] == pytest.approx(2 / 3) and metrics["eval_step_accuracy"] == 1.0
 
 
+def test_held_out_rows_with_no_step_kept_count_as_missed_errors():
+    """A row whose prompt alone fills --max-length keeps no step: kept (keep_empty) with no score, its error counts
+    as missed; dropped, as training rows are, the best first-error F1 here would be 1 instead of 2/3."""
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    rows = [{"prompt": "1+1=", "completions": ["1+1=2"]}, {"prompt": "3+3=", "completions": ["3+3=7"]},
+            {"prompt": "9" * 40, "completions": ["3+3=7"], "labels": [0.0]}]
+    scores = prm.predict(model, prm.encode_rows(model.tokenizer, rows, "\n", 18, "eval", keep_empty=True)[0], 8)
+    assert [len(s) for s in scores] == [1, 1, 0]
+    lower = int(scores[1][0] < scores[0][0])
+    for row in (0, 1):  # the lower scored of the two is the wrong one: a threshold between them finds its error
+        rows[row]["labels"] = [0.0 if row == lower else 1.0]
+    examples, _, dropped_rows = prm.encode_rows(model.tokenizer, rows, "\n", 18, "eval", keep_empty=True)
+    assert dropped_rows == 1 and len(examples) == 3 and examples[2]["positions"] == []
+    assert len(prm.encode_rows(model.tokenizer, rows, "\n", 18)[0]) == 2  # training rows: dropped
+    metrics = prm.evaluate_prm(model, examples, examples, 8)  # the threshold chosen on the same rows: the best F1
+    assert metrics["eval_first_error_f1"] == pytest.approx(2 / 3)  # 2 errors, 1 found, nothing falsely flagged
+    assert prm.evaluate_prm(model, examples[:2], examples[:2], 8)["eval_first_error_f1"] == 1.0
+
+
 def test_non_finite_scores_make_every_metric_nan():
     """A diverged model's NaN scores would otherwise rank highest in AUROC and never fall below a threshold."""
     metrics = prm.evaluate([[0.9, float("nan")], [0.2]], [[1, 0], [0]], 0.5)
@@ -453,6 +472,13 @@ def test_scoring_rows_need_no_labels(tmp_path):
     assert loaded == rows
     with pytest.raises(prm.UserError, match="does not exist"):
         prm.load_jsonl_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    """Files saved by Windows tools start with a UTF-8 byte-order mark, which json rejects."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "p", "completions": ["a"], "labels": [1]}\n')
+    assert prm.load_jsonl_rows(str(path)) == ([{"prompt": "p", "completions": ["a"], "labels": [1.0]}], 0)
 
 
 def test_lora_trains_only_adapters_and_the_head():

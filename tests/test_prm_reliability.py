@@ -115,6 +115,7 @@ BAD_INPUTS = {
     "zero batch": (lambda tmp: ["--batch-size", "0"], "--batch-size", "at least 1"),
     "zero steps": (lambda tmp: ["--total-steps", "0"], "--total-steps", "at least 1"),
     "negative epochs": (lambda tmp: ["--epochs", "-1"], "--epochs", "must be > 0"),
+    "infinite epochs": (lambda tmp: ["--epochs", "inf"], "--epochs", "must be > 0 and finite, got inf"),
     "empty separator": (lambda tmp: ["--step-separator", ""], "--step-separator", "must not be empty"),
     "negative learning rate": (lambda tmp: ["--learning-rate", "-1"], "--learning-rate", ">= 0"),
     "zero max bad steps": (lambda tmp: ["--max-bad-steps", "0"], "--max-bad-steps", "at least 1"),
@@ -352,6 +353,19 @@ def test_a_prompt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsys
     assert "dropped 1 steps that did not fit whole, and 1 rows left with no step" in stdout
     summary = read_summary(out)
     assert summary["dropped_rows"] == 1 and summary["dropped_steps"] == 1 and summary["train_rows"] == 20
+
+
+def test_a_held_out_row_with_no_step_kept_is_still_evaluated(tmp_path, capsys):
+    """Its first error was truncated away: it counts in first-error F1 as a miss, not left out (which raised F1)."""
+    train = write_rows(tmp_path / "train.jsonl", builtin_rows(20))
+    held_out = builtin_rows(10) + [{"prompt": "start 1" * 20 + "\n", "completions": ["1+1=3"], "labels": [0]}]
+    eval_path = write_rows(tmp_path / "eval.jsonl", held_out)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--total-steps", "1", "--data-path", str(train),
+                          "--eval-data-path", str(eval_path), "--max-length", "60", "--num-val-rows", "0"], capsys)
+    assert code == 0, err
+    summary = read_summary(out)
+    assert summary["dropped_rows"] == 1 and summary["eval_rows"] == 11 and summary["train_rows"] == 20
 
 
 def test_skip_bad_rows_skips_and_counts_every_kind(tmp_path, capsys, monkeypatch):
