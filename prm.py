@@ -817,13 +817,31 @@ def full_state_dicts(prm: ProcessRewardModel, optimizer=None) -> tuple[dict, Opt
             get_optimizer_state_dict(prm, optimizer, options=options) if optimizer is not None else None)
 
 
+def causal_hidden_size(backbone, name: str) -> int:
+    """The width of what the backbone returns (the head reads that, not always hidden_size: OPT-350m gives 512),
+    after checking that it is causal: two sequences that differ only in their last token must agree before it. A
+    bidirectional encoder (BERT) would let each step's score see the steps after it, in training and in scoring."""
+    rows = backbone.get_input_embeddings().num_embeddings
+    ids = torch.tensor([[1, 2, 3], [1, 2, 4]]).clamp(max=rows - 1)
+    try:
+        with torch.no_grad():
+            hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state.float()  # [2, 3, H]
+    except (TypeError, ValueError) as error:  # e.g. an encoder-decoder (T5), which also wants decoder inputs
+        raise UserError(f"--model {name}: its base model cannot encode a token sequence on its own "
+                        f"({str(error).splitlines()[0]}); use a decoder-only (causal LM) model") from None
+    change = (hidden[0, :2] - hidden[1, :2]).abs().max() / hidden[:, :2].abs().max().clamp(min=1e-30)
+    if change > 1e-3:  # a causal model's rows agree there up to rounding (1e-7)
+        raise UserError(f"--model {name} is not causal: changing a sequence's last token changes the hidden states "
+                        "before it, so each step's score would see the steps after it; use a decoder-only (causal "
+                        "LM) model")
+    return hidden.shape[-1]
+
+
 def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optional[torch.nn.Module]]:
     """Backbone (with LoRA when --lora-r > 0) and a new head, on the CPU. Also returns a copy of the base backbone
     when an adapter will need one saved beside it (the random-init tiny model cannot be reloaded by name)."""
     backbone, tokenizer = load_backbone_and_tokenizer(args.model, dtype, args.trust_remote_code)
-    with torch.no_grad():  # the head reads what the backbone returns, not always hidden_size wide (OPT-350m: 512)
-        one_token = torch.zeros(1, 1, dtype=torch.long)
-        hidden_size = backbone(input_ids=one_token, use_cache=False).last_hidden_state.shape[-1]
+    hidden_size = causal_hidden_size(backbone, args.model)
     dropout_rates = {} if args.backbone_dropout else disable_dropout(backbone)  # before LoRA: --lora-dropout stays
     base_copy, where = None, "."  # where the saved PRM finds its backbone: "." = final/ itself
     if args.lora_r > 0:

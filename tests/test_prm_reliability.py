@@ -355,6 +355,27 @@ def test_a_prompt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsys
     assert summary["dropped_rows"] == 1 and summary["dropped_steps"] == 1 and summary["train_rows"] == 20
 
 
+def test_a_backbone_that_is_not_causal_is_refused(tmp_path, capsys):
+    """A bidirectional encoder would let each step's score see the steps after it: refused before training, as is an
+    encoder-decoder, which cannot encode a sequence on its own (it raised a ValueError from its forward)."""
+    from transformers import BertConfig, BertModel, T5Config, T5Model
+
+    tokenizer = prm.build_tiny_tokenizer()
+    models = {"bert": BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=64, vocab_size=len(tokenizer), pad_token_id=0)),
+              "t5": T5Model(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16,
+                                     vocab_size=len(tokenizer)))}
+    expected = {"bert": "is not causal: changing a sequence's last token changes the hidden states before it",
+                "t5": "its base model cannot encode a token sequence on its own"}
+    for name, model in models.items():
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        out = tmp_path / f"out-{name}"
+        code, err = run_main(["--output-dir", str(out), *QUICK, "--model", str(tmp_path / name)], capsys)
+        assert code == 2 and expected[name] in err and "use a decoder-only (causal LM) model" in err, err
+        assert not (out / "final").exists()
+
+
 def test_a_held_out_row_with_no_step_kept_is_still_evaluated(tmp_path, capsys):
     """Its first error was truncated away: it counts in first-error F1 as a miss, not left out (which raised F1)."""
     train = write_rows(tmp_path / "train.jsonl", builtin_rows(20))

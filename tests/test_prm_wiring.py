@@ -467,8 +467,8 @@ def test_resume_keeps_the_skipped_update_count(tmp_path, capsys, monkeypatch):
 
 def test_validation_rows_are_a_seeded_shuffle_not_the_head_of_the_file(tmp_path, capsys, monkeypatch):
     seen, real_encode = {}, prm.encode_rows
-    monkeypatch.setattr(prm, "encode_rows", lambda tokenizer, rows, separator, length, what="training": (
-        seen.setdefault(what, rows), real_encode(tokenizer, rows, separator, length, what))[1])
+    monkeypatch.setattr(prm, "encode_rows", lambda tokenizer, rows, separator, length, what="training", **kwargs: (
+        seen.setdefault(what, rows), real_encode(tokenizer, rows, separator, length, what, **kwargs))[1])
     rows = builtin_rows(40)
     data = write_rows(tmp_path / "rows.jsonl", rows)
     assert run_main(["--output-dir", str(tmp_path / "out"), *SMALL, "--data-path", str(data), "--total-steps", "1"],
