@@ -46,6 +46,7 @@ import resource
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -1635,9 +1636,10 @@ def train(args: Args) -> dict:
                     shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
         try:
             os.makedirs(output_dir, exist_ok=True)
+            tempfile.TemporaryFile(dir=output_dir).close()  # writable: found now, not at the first log line
         except OSError as error:
-            raise UserError(f"--output-dir {output_dir} cannot be created ({error.strerror or error}); choose "
-                            "another --output-dir") from None
+            raise UserError(f"--output-dir {output_dir} cannot be created or written to ({error.strerror or error}); "
+                            "choose another --output-dir") from None
         metrics_path = os.path.join(output_dir, "metrics.jsonl")
         if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written, and
             # the final evaluation's row at its step when this run does that evaluation again (a run killed between

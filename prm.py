@@ -52,6 +52,7 @@ import resource
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -1214,6 +1215,14 @@ def check_scores_output(path: str) -> None:
     if blocker:
         raise UserError(f"--scores-output {path}: its directory cannot be created, {blocker} is a file; give "
                         "another path")
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:  # the directory that holds it, or the nearest one that exists and would hold its parents
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise UserError(f"--scores-output {path}: {existing} cannot be written to ({error.strerror or error}); give "
+                        "another path") from None
 
 
 def validate_args(args: Args, world_size: int, device: torch.device) -> None:
@@ -1625,9 +1634,10 @@ def train(args: Args) -> dict:
             clear_run(output_dir)
         try:
             os.makedirs(output_dir, exist_ok=True)
+            tempfile.TemporaryFile(dir=output_dir).close()  # writable: found now, not at the first log line
         except OSError as error:
-            raise UserError(f"--output-dir {output_dir} cannot be created ({error.strerror or error}); choose "
-                            "another --output-dir") from None
+            raise UserError(f"--output-dir {output_dir} cannot be created or written to ({error.strerror or error}); "
+                            "choose another --output-dir") from None
         metrics_path = os.path.join(output_dir, "metrics.jsonl")
         if resume_path and os.path.isfile(metrics_path):  # drop rows logged after the checkpoint was written, and
             # the final evaluation's row at its step when this run does that evaluation again (a run killed between

@@ -125,15 +125,19 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])
 def test_an_output_dir_that_cannot_be_created_is_one_clear_line(script, capsys):
-    """/proc takes no new directories: the OSError from makedirs was a traceback."""
+    """/proc takes no new directories or files: the OSError from makedirs or the first log line was a traceback."""
     import prm
     from conftest import run_script_main
 
     module = grpo if script == "grpo" else prm
     flags = QUICK if script == "grpo" else ["--total-steps", "1", "--num-val-rows", "4", "--num-eval-rows", "0"]
     code, err = run_script_main(module.main, f"{script}.py", ["--output-dir", "/proc/no-such/run", *flags], capsys)
-    assert code == 2 and err.endswith("error: --output-dir /proc/no-such/run cannot be created (No such file or "
-                                      "directory); choose another --output-dir\n"), err
+    assert code == 2 and err.endswith("error: --output-dir /proc/no-such/run cannot be created or written to (No such "
+                                      "file or directory); choose another --output-dir\n"), err
+    # /proc/1 exists but takes no files: found before the run, not as a traceback at its first log line
+    code, err = run_script_main(module.main, f"{script}.py", ["--output-dir", "/proc/1", *flags], capsys)
+    assert code == 2 and "error: --output-dir /proc/1 cannot be created or written to (" in err, err
+    assert err.count("\n") == 1
 
 
 def test_a_lora_adapter_of_a_local_model_names_its_base_by_its_absolute_path(tmp_path, capsys, monkeypatch):

@@ -128,6 +128,8 @@ BAD_INPUTS = {
     "scores output below a file": (lambda tmp: ["--score-data-path", rows_file(tmp, GOOD), "--scores-output",
                                                 rows_file(tmp, GOOD) + "/scores.jsonl"], "--scores-output",
                                    "its directory cannot be created, "),
+    "scores output not writable": (lambda tmp: ["--score-data-path", rows_file(tmp, GOOD), "--scores-output",
+                                                "/proc/1/scores.jsonl"], "--scores-output", "/proc/1 cannot be written to"),
     "scores output without rows to score": (lambda tmp: ["--scores-output", str(tmp / "scores.jsonl")],
                                             "--scores-output", "give --score-data-path rows.jsonl too"),
     "negative seed": (lambda tmp: ["--seed", "-1"], "--seed", "must be in [0, 2**32), got -1"),
