@@ -1705,7 +1705,7 @@ def train(args: Args) -> dict:
     def run_eval(step: int) -> float:
         """Greedy held-out accuracy on rank 0 (other ranks wait at their next collective). Under FSDP every rank
         evaluates the same rows, since every forward pass is a collective."""
-        if not is_main and not args.fsdp:
+        if not eval_rows or (not is_main and not args.fsdp):  # (no held-out rows: no line of NaN accuracy)
             return float("nan")
         accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device, eos_ids, decode_forward=decode_forward)
         if not is_main:

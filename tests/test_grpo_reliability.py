@@ -123,6 +123,18 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
     assert not out.exists()  # nothing written
 
 
+def test_a_run_without_held_out_prompts_prints_no_evaluation(tmp_path, capsys):
+    """--data-path without --eval-data-path holds nothing to evaluate: no 'eval accuracy ... nan' lines."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(f'{{"prompt": "{a}+1=", "answer": "{a + 1}"}}\n' for a in range(8)))
+    out_dir = tmp_path / "run"
+    code, out, err = run_main([*QUICK, "--data-path", str(data), "--output-dir", str(out_dir)], capsys,
+                              with_stdout=True)
+    assert code == 0, err
+    assert "eval accuracy" not in out and "step 3 |" in out
+    assert read_summary(out_dir)["eval_accuracy_end"] is None  # NaN, written as null
+
+
 @pytest.mark.parametrize("script", ["grpo", "prm"])
 def test_an_output_dir_that_cannot_be_created_is_one_clear_line(script, capsys):
     """/proc takes no new directories or files: the OSError from makedirs or the first log line was a traceback."""
