@@ -1196,13 +1196,19 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return device
 
 
-def file_in_the_way(path: str) -> Optional[str]:
-    """The existing file (not a directory) at path or at one of its parent directories, if any: a directory
-    cannot be created there."""
+def nearest_existing(path: str) -> str:
+    """path itself, absolute, or the nearest of its parent directories that exists."""
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    return None if os.path.isdir(path) else path
+    return path
+
+
+def file_in_the_way(path: str) -> Optional[str]:
+    """The existing file (not a directory) at path or at one of its parent directories, if any: a directory
+    cannot be created there."""
+    existing = nearest_existing(path)
+    return None if os.path.isdir(existing) else existing
 
 
 def check_scores_output(path: str) -> None:
@@ -1211,14 +1217,11 @@ def check_scores_output(path: str) -> None:
     if os.path.isdir(path):
         raise UserError(f"--scores-output {path} is a directory; give a file path, e.g. "
                         f"{os.path.join(path, 'scores.jsonl')}")
-    blocker = file_in_the_way(os.path.dirname(os.path.abspath(path)))
-    if blocker:
-        raise UserError(f"--scores-output {path}: its directory cannot be created, {blocker} is a file; give "
+    existing = nearest_existing(os.path.dirname(os.path.abspath(path)))  # its directory or the one to create it in
+    if not os.path.isdir(existing):
+        raise UserError(f"--scores-output {path}: its directory cannot be created, {existing} is a file; give "
                         "another path")
-    existing = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    try:  # the directory that holds it, or the nearest one that exists and would hold its parents
+    try:
         tempfile.TemporaryFile(dir=existing).close()
     except OSError as error:
         raise UserError(f"--scores-output {path}: {existing} cannot be written to ({error.strerror or error}); give "
