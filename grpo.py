@@ -398,12 +398,13 @@ def grpo_loss(
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False, rows_per_chunk: int = 16):
+                   with_entropy: bool = False, rows_per_chunk: int = 16, vocab_size: Optional[int] = None):
     """log softmax(logits / T)[target] in fp32, a few rows at a time so that only a slice of the
-    [B, T, V] logits ever exists in fp32. Returns logp [B, T] and, if asked, the entropy [B, T] (no grad)."""
+    [B, T, V] logits ever exists in fp32. Returns logp [B, T] and, if asked, the entropy [B, T] (no grad).
+    vocab_size: the softmax covers only the first vocab_size logits (the tokenizer's ids, as the sampler does)."""
     logps, entropies = [], []
     for start in range(0, logits.shape[0], rows_per_chunk):
-        chunk = logits[start:start + rows_per_chunk].float()
+        chunk = logits[start:start + rows_per_chunk, :, :vocab_size].float()
         if temperature != 1.0:  # else no [rows, T, V] copy (32k vocabulary: 16 MB less at peak for 16 x 8 tokens)
             chunk = chunk / temperature
         chunk_logp = torch.log_softmax(chunk, dim=-1)
@@ -662,6 +663,9 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
         print0(f"note: the tokenizer of {name_or_path} has {problem}; using EOS ({tokenizer.eos_token!r}) to pad",
                enabled=os.environ.get("RANK", "0") == "0")  # one note per run, not one per torchrun process
         tokenizer.pad_token = tokenizer.eos_token
+    if rows > len(tokenizer):
+        print0(f"note: {name_or_path} has {rows} token rows for its tokenizer's {len(tokenizer)} ids; completions are "
+               "sampled and scored over the tokenizer's ids only", enabled=os.environ.get("RANK", "0") == "0")
     return model, tokenizer
 
 
@@ -744,7 +748,7 @@ def prompt_generators(seed: int, step: int, prompt_indices: list[int], device) -
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pad_id: int, temperature=1.0,
              top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1, stop_together=False,
-             decode_forward=None):
+             decode_forward=None, vocab_size: Optional[int] = None):
     """Complete left-padded prompts with a KV cache. prompt_ids, prompt_mask [B, P]; eos_ids: the id, or the
     list of ids (see stop_token_ids), any of which ends a completion.
 
@@ -758,6 +762,9 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     once and its KV cache copied to its group (a G-fold cheaper prefill, which dominates for long prompts).
     stop_together: decode until every process's rows have ended (under FSDP each forward is a collective).
     decode_forward: what to call for the one-token passes instead of model (model compiled: --compile-decoding).
+    vocab_size: sample only the first vocab_size ids, those the tokenizer has. Checkpoints pad their output layer
+    past the tokenizer (Qwen2.5: 151,936 rows for 151,665 ids); the untrained rows' logits are noise that can be
+    drawn, decode to nothing the reward sees, and would still be reinforced (sglang #38279).
     """
     from transformers import DynamicCache
 
@@ -770,7 +777,8 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     cache = DynamicCache()
     unique = slice(None, None, group_size)  # one row per group of identical prompts
     logits = model(input_ids=prompt_ids[unique], attention_mask=attention_mask[unique],
-                   position_ids=position_ids[unique], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                   position_ids=position_ids[unique], cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1, :vocab_size]  # [U, V]
     # (read from the second token on) else every token would be sampled without its context
     if max_new_tokens > 1 and cache.get_seq_length() != prompt_ids.shape[1]:
         import transformers
@@ -805,7 +813,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
         logits = decode_forward(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
-                             position_ids=next_position, cache=cache, use_cache=True).logits[:, -1]
+                             position_ids=next_position, cache=cache, use_cache=True).logits[:, -1, :vocab_size]
         next_position = next_position + 1
     completion_ids = torch.stack(tokens, dim=1)  # [B, T]
     is_eos = torch.isin(completion_ids, eos_ids)
@@ -837,7 +845,8 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                        with_entropy=False, prompt_of_row: Optional[list[int]] = None):
+                        with_entropy=False, prompt_of_row: Optional[list[int]] = None,
+                        vocab_size: Optional[int] = None):
     """Log-probs of the completion tokens under the model, over the prompt and every completion token but the last
     (only ever a target: feeding it would cost a position of every layer), with logits kept only at the T positions
     that predict completion tokens (never [B, P+T, V]). Returns logp [B, T] and the entropy or None.
@@ -846,7 +855,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     identical prompt_ids and prompt_mask (left-padded), and every completion mask is ones then zeros. Each prompt
     is then encoded once, and its keys and values indexed out to its rows before one pass over the completions:
     the group's prompt is computed once instead of group-size times, and gradients flow back through the indexing
-    into it. None: one pass over every row's prompt and completion."""
+    into it. None: one pass over every row's prompt and completion. vocab_size: as generate's (the softmax covers
+    the ids the sampler draws from)."""
     num_completion = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [B, P+T-1]
     if prompt_of_row is None:
@@ -855,7 +865,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
         # the last T positions, P-1 .. P+T-2, predict completion tokens 0 .. T-1
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        logits_to_keep=num_completion, use_cache=False).logits  # [B, T, V]
-        return token_logprobs(logits, completion_ids, temperature, with_entropy)
+        return token_logprobs(logits, completion_ids, temperature, with_entropy, vocab_size=vocab_size)
 
     from transformers import DynamicCache
 
@@ -868,7 +878,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                          position_ids=prompt_positions, cache=cache, use_cache=True,
                          logits_to_keep=1).logits[owner]  # [B, 1, V]
     if num_completion == 1:
-        return token_logprobs(first_logits, completion_ids, temperature, with_entropy)
+        return token_logprobs(first_logits, completion_ids, temperature, with_entropy, vocab_size=vocab_size)
     if cache.get_seq_length() != prompt_ids.shape[1]:  # else the completions would be scored without their prompt
         raise UserError(f"--share-prompts: {type(model).__name__} did not fill the KV cache it was given (as "
                         "transformers' gradient-checkpointed layers do, or a model that ignores `cache=`); run with "
@@ -877,7 +887,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     position_ids = prompt_mask.sum(1, keepdim=True) + torch.arange(num_completion - 1, device=prompt_ids.device)
     rest_logits = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask, position_ids=position_ids,
                         cache=cache, use_cache=True).logits  # [B, T-1, V]
-    return token_logprobs(torch.cat([first_logits, rest_logits], dim=1), completion_ids, temperature, with_entropy)
+    return token_logprobs(torch.cat([first_logits, rest_logits], dim=1), completion_ids, temperature, with_entropy,
+                          vocab_size=vocab_size)
 
 
 # Below this many skipped prompt positions per micro-batch, the extra forward call costs about what it saves: on 2
@@ -1203,7 +1214,8 @@ def evaluate(model, tokenizer, rows, args: Args, device, eos_ids: list[int],
                                             args.max_prompt_length), tokenizer.pad_token_id, device)
         completion_ids, completion_mask, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
                                                       eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                                                      stop_together=args.fsdp, decode_forward=decode_forward)
+                                                      stop_together=args.fsdp, decode_forward=decode_forward,
+                                                      vocab_size=len(tokenizer))
         texts = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
         correct += sum(answer_reward(t, r["answer"]) for t, r in zip(texts, batch))
         samples += [f"{r['prompt']!r} -> {t!r}" for t, r in zip(texts, batch)][:3 - len(samples)]
@@ -1465,6 +1477,7 @@ def train(args: Args) -> dict:
     model, tokenizer = load_model_and_tokenizer(args.model, torch.float32 if args.fsdp else dtype,
                                                 args.trust_remote_code)
     eos_ids = stop_token_ids(model, tokenizer)
+    vocab_size = len(tokenizer)  # the sampler and every log-prob see the tokenizer's ids only (see generate)
     reference = None
     tiny_base = copy.deepcopy(model) if args.lora_r > 0 and args.model == "tiny" else None  # see save_checkpoint
     if args.lora_r > 0:
@@ -1754,7 +1767,7 @@ def train(args: Args) -> dict:
                 model, prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids,
                 pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 generators=prompt_generators(args.seed, step, prompt_indices, device), group_size=args.group_size,
-                stop_together=args.fsdp, decode_forward=decode_forward)
+                stop_together=args.fsdp, decode_forward=decode_forward, vocab_size=vocab_size)
             model.train()
             truncated = ~ended_by_eos(completion_ids, completion_mask, eos_ids)  # [B]: no EOS within max_new_tokens
             t_generated = sync_clock()
@@ -1846,7 +1859,7 @@ def train(args: Args) -> dict:
                         ref_logp[mb, completions] = completion_logprobs(
                             reference_model, prompt_ids[mb, prompts], prompt_mask[mb, prompts],
                             completion_ids[mb, completions], completion_mask[mb, completions], args.temperature,
-                            prompt_of_row=plan)[0]
+                            prompt_of_row=plan, vocab_size=vocab_size)[0]
             # the first minibatch's old log-probs come free from its first update's forward, before any step; each
             # update moves the policy that later ones would be scored with, so theirs are taken now (in training mode,
             # as the updates: no dropout, see disable_dropout)
@@ -1855,7 +1868,8 @@ def train(args: Args) -> dict:
                 for mb, prompts, completions, plan in itertools.chain(*micro_batches_of[1:]):
                     old_logp[mb, completions] = completion_logprobs(
                         model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
-                        completion_mask[mb, completions], args.temperature, prompt_of_row=plan)[0]
+                        completion_mask[mb, completions], args.temperature, prompt_of_row=plan,
+                        vocab_size=vocab_size)[0]
             t_referenced = sync_clock()
             timings["reference"].append(t_referenced - t_rewarded)
 
@@ -1878,7 +1892,7 @@ def train(args: Args) -> dict:
                     logp, entropy = completion_logprobs(
                         model, prompt_ids[mb, prompts], prompt_mask[mb, prompts], completion_ids[mb, completions],
                         completion_mask[mb, completions], args.temperature, with_entropy=reported,
-                        prompt_of_row=plan)  # [b, t]
+                        prompt_of_row=plan, vocab_size=vocab_size)  # [b, t]
                     if iteration == 0 and minibatch == 0:
                         old_logp[mb, completions] = logp.detach()
                     loss, stats = grpo_loss(

@@ -841,6 +841,22 @@ def test_token_logprobs_chunking_identical_and_bf16_in_fp32():
             assert out[i, t].item() == pytest.approx(row[targets[i, t].item()], abs=1e-5)
 
 
+def test_token_logprobs_over_the_tokenizers_ids_only():
+    """vocab_size: the softmax covers the first vocab_size logits, as if the rest were -inf (the padded rows of a
+    checkpoint's output layer); the entropy too."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3, 9, generator=g) * 2.0
+    logits[..., 6:] += 40.0  # padded rows that would take nearly all the mass
+    targets = torch.randint(0, 6, (4, 3), generator=g)
+    logp, entropy = token_logprobs(logits, targets, 0.7, with_entropy=True, rows_per_chunk=3, vocab_size=6)
+    for i in range(4):
+        for t in range(3):
+            row = naive_log_softmax_row(logits[i, t, :6].tolist(), 0.7)
+            assert logp[i, t].item() == pytest.approx(row[targets[i, t].item()], abs=1e-5)
+            assert entropy[i, t].item() == pytest.approx(-sum(math.exp(v) * v for v in row), abs=1e-5)
+    assert (token_logprobs(logits, targets, 0.7)[0] < -30).all()  # the whole vocabulary: the padded rows win
+
+
 def test_token_logprobs_gradient():
     """d logp / d logits = (onehot(target) - softmax(logits / T)) / T, row by row."""
     g = torch.Generator().manual_seed(1)
@@ -1131,6 +1147,25 @@ def test_gumbel_sampling_matches_the_softmax():
     sigma = (expected * (1 - expected) / rows).sqrt()
     assert ((counts - expected).abs() <= 4 * sigma).all(), (counts, expected)
     torch.testing.assert_close(logp[:, 0], torch.log(expected)[tokens[:, 0]])
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_generate_draws_only_the_tokenizers_ids(sampled):
+    """vocab_size=5 on 7 logits whose last two dominate: no row, greedy or sampled, ever draws id 5 or 6, and the
+    sampler's log-probs are those of the softmax over ids 0-4, which the training pass computes."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 30.0, 25.0])
+    rows, temperature = 400, 0.8
+    ids = torch.zeros(rows, 1, dtype=torch.long)
+    generators = [torch.Generator().manual_seed(i) for i in range(rows)] if sampled else None
+    tokens, _, logp = generate(FixedLogits(logits), ids, torch.ones_like(ids), max_new_tokens=1, eos_ids=99,
+                               pad_id=98, temperature=temperature, generators=generators, vocab_size=5)
+    assert tokens.shape == (rows, 1) and (tokens < 5).all()
+    assert (set(tokens.flatten().tolist()) == {0, 1, 2, 3, 4}) if sampled else (tokens == 0).all()
+    scaled = logits[:5] / (temperature if sampled else 1.0)
+    torch.testing.assert_close(logp, torch.log_softmax(scaled, -1)[tokens])
+    unrestricted, _, _ = generate(FixedLogits(logits), ids, torch.ones_like(ids), max_new_tokens=1, eos_ids=99,
+                                  pad_id=98, temperature=temperature, generators=generators)
+    assert (unrestricted >= 5).all()  # (what vocab_size prevents)
 
 
 def test_prompt_streams_do_not_depend_on_the_split(tiny):

@@ -291,6 +291,46 @@ def test_an_eos_id_past_the_embeddings_is_an_error(tmp_path, capsys):
     assert code == 2 and "is past the model's" in err and "resize_token_embeddings(len(tokenizer))" in err
 
 
+def test_a_model_with_more_token_rows_than_its_tokenizer_samples_only_the_tokenizers_ids(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Checkpoints pad their output layer past the tokenizer (Qwen2.5: 151,936 rows, 151,665 ids). Here 8 padded
+    rows get logits 30 above the rest, so that a sampler over every row would draw nothing else: the rollout and
+    the evaluation draw the tokenizer's ids only, and the training, reference and old-policy passes score them under
+    the same restricted softmax as the sampler (else logp_gap, the KL or the ratio would be about e^30 off)."""
+    tokenizer = grpo.build_tiny_tokenizer()
+    model = grpo.build_tiny_model(tokenizer)
+    model.resize_token_embeddings(len(tokenizer) + 8, mean_resizing=False)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    real_load, sampled, real_generate = grpo.load_model_and_tokenizer, [], grpo.generate
+
+    def load_with_dominant_padded_rows(*args, **kwargs):
+        model, tokenizer = real_load(*args, **kwargs)
+        boost = torch.zeros(len(tokenizer) + 8)
+        boost[len(tokenizer):] = 30.0
+        model.lm_head.register_forward_hook(lambda module, inputs, output: output + boost)
+        return model, tokenizer
+
+    def recording_generate(*args, **kwargs):
+        completion_ids, completion_mask, logp = real_generate(*args, **kwargs)
+        sampled.append(completion_ids)
+        return completion_ids, completion_mask, logp
+
+    monkeypatch.setattr(grpo, "load_model_and_tokenizer", load_with_dominant_padded_rows)
+    monkeypatch.setattr(grpo, "generate", recording_generate)
+    code, out, err = run_main(["--output-dir", str(tmp_path / "out"), *QUICK, "--total-steps", "2", "--model",
+                               str(tmp_path / "model"), "--kl-coef", "0.05", "--eval-every", "1",
+                               "--num-eval-prompts", "4", "--num-minibatches", "2"], capsys, with_stdout=True)
+    assert code == 0, err
+    assert f"has {len(tokenizer) + 8} token rows for its tokenizer's {len(tokenizer)} ids" in out
+    assert len(sampled) == 5  # 3 evaluations (start, after each step) and 2 rollouts
+    assert all((ids < len(tokenizer)).all() for ids in sampled)
+    metrics = read_metrics(tmp_path / "out")
+    assert all(row["logp_gap_max"] < 1e-3 for row in metrics)
+    assert metrics[0]["kl_mean"] < 0.1  # the reference scores them the same way (the first update starts there)
+    assert all(abs(row["ratio_mean"] - 1.0) < 0.05 for row in metrics)  # and the second minibatch's old log-probs
+
+
 def test_reward_errors_are_reported_or_skipped(tmp_path, capsys, monkeypatch):
     calls = {"n": 0}
 
