@@ -478,11 +478,11 @@ def load_jsonl_prompts(path: str) -> list[dict]:
     return rows
 
 
-# a number: a minus sign unless it follows a word or ")" (the 3 of "8-3" or "ages 5-7" is no -3), thousands
+# a number: a sign (- or +) unless it follows a word or ")" (the 3 of "8-3" or "ages 5-7" is no -3), thousands
 # separated by commas only in groups of three ("1,234"; "1,2" is two numbers, not 12), a decimal part, a
 # leading-dot decimal (".5", but not the ".5" of "...5" or "1.2.5"), then an exponent ("1.5e-3", of at most 3 digits:
 # Fraction would build 10^n) or a fraction "a/b"
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"
+_NUMBER = re.compile(r"(?:(?<![\w)])[-+])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"
                      r"(?:[eE][-+]?\d{1,3}(?!\d)|/\d+)?")
 # \frac{a}{b}, \dfrac or \tfrac, after a whole number when it is a mixed number (2\frac{1}{2}, not the 2 of x^2)
 _LATEX_FRACTION = re.compile(r"(?:(?<![\w^.])(-?\d+)\s*)?\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -491,17 +491,23 @@ _LATEX_FRACTION = re.compile(r"(?:(?<![\w^.])(-?\d+)\s*)?\\[dt]?frac\{([^{}]*)\}
 # what only writes a number differently: LaTeX thousands separators (1{,}000, 10,\!000), a Unicode minus, currency
 # and percent signs (the answer 18 is stated by $18 or 18%)
 _NUMBER_SPELLINGS = (("{,}", ","), (",\\!", ","), ("\u2212", "-"), ("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""))
+# a unit that ends a number's statement (\boxed{18\text{ cm}}, 90^\circ, 90°), as the MATH answer normaliser drops
+# it; not one followed by more (5\text{ and }7, 18\text{ cm}^2), which is more than a number
+_LATEX_UNIT = re.compile(r"(?<=\d)\s*(?:\\[,;: ]\s*)*(?:\\(?:text|mbox|mathrm)\{[^{}]*\}|\^\s*\{?\\circ\}?|°)"
+                         r"(?![ \t]*[\w\\^{])")
 
 
 def normalise_math(text: str) -> str:
-    """Numbers written one way: the spellings above, and \\frac{a}{b} as a/b (see latex_fraction_as_text)."""
+    """Numbers written one way: the spellings above, without a final unit, and \\frac{a}{b} as a/b (see
+    latex_fraction_as_text)."""
     for spelling, plain in _NUMBER_SPELLINGS:
         text = text.replace(spelling, plain)
-    return _LATEX_FRACTION.sub(latex_fraction_as_text, text)
+    return _LATEX_UNIT.sub("", _LATEX_FRACTION.sub(latex_fraction_as_text, text))  # (\frac{1}{2}\text{ cup}: 1/2)
 
 
 def parse_number(text: str, whole: bool = False) -> Optional[Fraction]:
-    """'1,234' -> 1234, '7.50' -> 15/2, '$3' -> 3, '1/2' -> 1/2, '.5' -> 1/2, '1e3' -> 1000, '\\frac{1}{2}' -> 1/2;
+    """'1,234' -> 1234, '7.50' -> 15/2, '$3' -> 3, '+3' -> 3, '3\\text{ cm}' -> 3, '1/2' -> 1/2, '.5' -> 1/2,
+    '1e3' -> 1000, '\\frac{1}{2}' -> 1/2;
     None when text holds no number. whole: the text must be nothing but the number (a final period aside): the
     first number of \\sqrt{2}, x^2 or (1, 2) is not their value."""
     text = normalise_math(text).strip()

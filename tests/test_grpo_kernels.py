@@ -1487,6 +1487,19 @@ def test_generate_never_feeds_back_the_last_token():
     ("The answer is \u22125", "-5", 1.0), ("The answer is \u22125", "5", 0.0), ("\\boxed{18\\%}", "18", 1.0),
     # a hyphen after a digit or word is no minus sign
     ("x = 8-3", "3", 1.0), ("x = 8-3", "-3", 0.0), ("ages 5-7", "7", 1.0),
+    # a plus sign, under the same rule ("3+5" states 5, not +5 after a digit)
+    ("\\boxed{+5}", "5", 1.0), ("\\boxed{+5}", "-5", 0.0), ("x = +5", "5", 1.0), ("3+5", "5", 1.0),
+    ("\\boxed{5}", "+5", 1.0), ("#### +2.5", "2.5", 1.0),
+    # a unit that ends the statement is no part of the number, in the completion or the answer
+    ("\\boxed{18\\text{ cm}}", "18", 1.0), ("\\boxed{18 \\text{dollars}}", "18", 1.0),
+    ("\\boxed{18\\,\\mbox{cm}}", "18", 1.0), ("\\boxed{17\\text{ cm}}", "18", 0.0),
+    ("\\boxed{90^\\circ}", "90", 1.0), ("\\boxed{90^{\\circ}}", "90", 1.0), ("\\boxed{90°}", "90", 1.0),
+    ("\\boxed{18}", "18\\text{ cm}", 1.0), ("\\boxed{\\frac{1}{2}\\text{ cup}}", "0.5", 1.0),
+    ("the angle is $45^\\circ$.", "45", 1.0),
+    # a unit followed by more is not a final unit: the box holds more than a number
+    ("\\boxed{5\\text{ and }7}", "5", 0.0), ("\\boxed{2\\text{ and }x}", "2x", 0.0),
+    ("\\boxed{18\\text{ cm}^2}", "18", 0.0), ("\\boxed{18\\text{ cm}^2}", "18^2", 0.0),
+    ("\\boxed{\\text{(A)}}", "\\text{(A)}", 1.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
