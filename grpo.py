@@ -660,6 +660,7 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
         raise UserError(f"could not load model {name_or_path!r}: {str(error).strip().splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:
         raise UserError(f"the tokenizer of {name_or_path} has no EOS token, so completions could never end")
+    check_causal(model, name_or_path)
     rows = model.get_input_embeddings().num_embeddings
     if tokenizer.eos_token_id >= rows:  # EOS is fed back in the training pass when a completion ends early
         raise UserError(f"the EOS id {tokenizer.eos_token_id} of {name_or_path}'s tokenizer is past the model's "
@@ -673,6 +674,20 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
         print0(f"note: {name_or_path} has {rows} token rows for its tokenizer's {len(tokenizer)} ids; completions are "
                "sampled and scored over the tokenizer's ids only", enabled=os.environ.get("RANK", "0") == "0")
     return model, tokenizer
+
+
+def check_causal(model, name: str) -> None:
+    """Two sequences that differ only in their last token must get the same logits before it. A bidirectional
+    model (a BERT checkpoint loads as BertLMHeadModel) would let the training pass see each completion's later
+    tokens: log-probs of tokens it reads from their right, and rollouts that never saw them."""
+    rows = model.get_input_embeddings().num_embeddings
+    ids = torch.tensor([[1, 2, 3], [1, 2, 4]], device=model.device).clamp(max=rows - 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[:, :2].float()  # [2, 2, V]
+    if (logits[0] - logits[1]).abs().max() > 1e-3 * logits.abs().max().clamp(min=1e-30):  # causal: equal to 1e-7
+        raise UserError(f"--model {name} is not causal: changing a sequence's last token changes the logits before "
+                        "it, so the training pass would read each completion token from the ones after it; use a "
+                        "decoder-only (causal LM) model")
 
 
 def disable_dropout(model: torch.nn.Module) -> dict:

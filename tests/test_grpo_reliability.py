@@ -331,6 +331,27 @@ def test_a_model_with_more_token_rows_than_its_tokenizer_samples_only_the_tokeni
     assert all(abs(row["ratio_mean"] - 1.0) < 0.05 for row in metrics)  # and the second minibatch's old log-probs
 
 
+@pytest.mark.parametrize("is_decoder", [False, True])
+def test_a_model_that_is_not_causal_is_refused(is_decoder, tmp_path, capsys):
+    """A BERT checkpoint loads through AutoModelForCausalLM as BertLMHeadModel, bidirectional unless its config says
+    is_decoder: the training pass would read each completion token from the ones after it. Refused before any step;
+    the same model made causal passes the check."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    tokenizer = grpo.build_tiny_tokenizer()
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        vocab_size=len(tokenizer), pad_token_id=0, is_decoder=is_decoder)
+    BertLMHeadModel(config).save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    if is_decoder:
+        model, _ = grpo.load_model_and_tokenizer(str(tmp_path / "bert"), torch.float32, False)
+        assert type(model).__name__ == "BertLMHeadModel"
+        return
+    code, err = run_main(["--output-dir", str(tmp_path / "out"), *QUICK, "--model", str(tmp_path / "bert")], capsys)
+    assert code == 2 and "is not causal: changing a sequence's last token changes the logits before it" in err, err
+    assert "use a decoder-only (causal LM) model" in err and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_reward_errors_are_reported_or_skipped(tmp_path, capsys, monkeypatch):
     calls = {"n": 0}
 
