@@ -486,6 +486,8 @@ _NUMBER = re.compile(r"(?:(?<![\w)])[-+])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:
                      r"(?:[eE][-+]?\d{1,3}(?!\d)|/\d+)?")
 # \frac{a}{b}, \dfrac or \tfrac, after a whole number when it is a mixed number (2\frac{1}{2}, not the 2 of x^2)
 _LATEX_FRACTION = re.compile(r"(?:(?<![\w^.])(-?\d+)\s*)?\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+# \frac12: one-digit numerator and denominator without braces, as LaTeX allows (the MATH normaliser's _fix_fracs)
+_BRACELESS_FRACTION = re.compile(r"\\([dt]?frac)\s*(\d)\s*(\d)")
 
 
 # what only writes a number differently: LaTeX thousands separators (1{,}000, 10,\!000), a Unicode minus, currency
@@ -502,6 +504,7 @@ def normalise_math(text: str) -> str:
     latex_fraction_as_text)."""
     for spelling, plain in _NUMBER_SPELLINGS:
         text = text.replace(spelling, plain)
+    text = _BRACELESS_FRACTION.sub(r"\\\1{\2}{\3}", text)
     return _LATEX_UNIT.sub("", _LATEX_FRACTION.sub(latex_fraction_as_text, text))  # (\frac{1}{2}\text{ cup}: 1/2)
 
 
@@ -526,9 +529,12 @@ def latex_fraction_as_text(match: re.Match) -> str:
     if whole is None:
         return f"{numerator}/{denominator}"
     # (isdecimal, not isdigit: int() rejects the digits isdigit also accepts, such as "²")
-    if not (numerator.strip().isdecimal() and denominator.strip().isdecimal()) or int(denominator) == 0:
+    if not (numerator.strip().isdecimal() and denominator.strip().isdecimal()) or not denominator.strip("0 "):
         return f"{whole} {numerator}/{denominator}"  # no number: left as text
-    magnitude = abs(int(whole)) + Fraction(int(numerator), int(denominator))
+    try:
+        magnitude = abs(int(whole)) + Fraction(int(numerator), int(denominator))
+    except ValueError:  # past int()'s 4,300 digits: a degenerate completion, scored as text rather than crashing
+        return f"{whole} {numerator}/{denominator}"
     value = -magnitude if whole.startswith("-") else magnitude
     return f"{value.numerator}/{value.denominator}"
 
@@ -565,7 +571,10 @@ def final_answer(completion: str) -> Optional[str]:
 def answer_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer equals the reference as a number, both being nothing but a number
     (else as text, spaces aside: 2\\sqrt{3} is not the number 2; a completion with no `####`, \\boxed{} or number
-    states its whole text)."""
+    states its whole text). A reference with a `####` or a \\boxed{} is a worked solution (GSM8K's answer field
+    ends in `#### 72`, a MATH solution boxes its answer): what it states is the answer."""
+    if "####" in answer or "\\boxed{" in answer:
+        answer = final_answer(answer) or answer
     stated = final_answer(completion)
     if stated is None:
         return float(parse_number(answer) is None and completion.strip() == answer.strip())
@@ -580,11 +589,13 @@ _CANONICAL_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
 
 def format_reward(completion: str, answer: str) -> float:
     """1.0 when the completion states its answer cleanly: nothing but a number written canonically (no leading
-    zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}."""
+    zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}, a closing
+    `$`, `\\)`, `\\]` or full stop aside (`$\\boxed{5}$.`)."""
     text = completion.strip()
-    boxed = last_boxed(text)
-    boxed_last = boxed is not None and boxed[1] == len(text) and boxed[0].strip() != ""
-    marked = re.search(r"####\s*(\S+)$", text)  # a number, nothing else: not "#### 5,,," nor "#### 1.2.3"
+    ending = re.sub(r"(?:\s|\$|\\\)|\\\]|\.)+$", "", text)  # the statement, closing marks aside
+    boxed = last_boxed(ending)
+    boxed_last = boxed is not None and boxed[1] == len(ending) and boxed[0].strip() != ""
+    marked = re.search(r"####\s*(\S+)$", ending)  # a number, nothing else: not "#### 5,,," nor "#### 1.2.3"
     stated_last = (marked is not None and _NUMBER.fullmatch(marked.group(1)) is not None) or boxed_last
     return 1.0 if _CANONICAL_NUMBER.fullmatch(text) or stated_last else 0.0
 
@@ -670,10 +681,18 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
         print0(f"note: the tokenizer of {name_or_path} has {problem}; using EOS ({tokenizer.eos_token!r}) to pad",
                enabled=os.environ.get("RANK", "0") == "0")  # one note per run, not one per torchrun process
         tokenizer.pad_token = tokenizer.eos_token
-    if rows > len(tokenizer):
-        print0(f"note: {name_or_path} has {rows} token rows for its tokenizer's {len(tokenizer)} ids; completions are "
-               "sampled and scored over the tokenizer's ids only", enabled=os.environ.get("RANK", "0") == "0")
+    if rows > token_id_limit(tokenizer):
+        print0(f"note: {name_or_path} has {rows} token rows for its tokenizer's {token_id_limit(tokenizer)} ids; "
+               "completions are sampled and scored over the tokenizer's ids only",
+               enabled=os.environ.get("RANK", "0") == "0")
     return model, tokenizer
+
+
+def token_id_limit(tokenizer, eos_ids=()) -> int:
+    """One past the largest id the tokenizer (or a stop id) uses: the sampler draws below it (see generate). Not
+    len(tokenizer), which counts the ids: where they have gaps (special tokens at the top of a reserved range), the
+    largest lies beyond it, and the tokens there (EOS among them) could never be drawn."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1, *(i + 1 for i in eos_ids))
 
 
 def check_causal(model, name: str) -> None:
@@ -1221,7 +1240,7 @@ def step_flops(body: int, head: int, *, unique_prompt_tokens: int, reference_pro
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows, args: Args, device, eos_ids: list[int],
+def evaluate(model, tokenizer, rows, args: Args, device, eos_ids: list[int], vocab_size: Optional[int] = None,
              decode_forward=None) -> tuple[float, list[str]]:
     """Greedy accuracy (answer reward == 1) on held-out rows, and the first few completions to look at."""
     if not rows:
@@ -1236,7 +1255,7 @@ def evaluate(model, tokenizer, rows, args: Args, device, eos_ids: list[int],
         completion_ids, completion_mask, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
                                                       eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
                                                       stop_together=args.fsdp, decode_forward=decode_forward,
-                                                      vocab_size=len(tokenizer))
+                                                      vocab_size=vocab_size)
         texts = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
         correct += sum(answer_reward(t, r["answer"]) for t, r in zip(texts, batch))
         samples += [f"{r['prompt']!r} -> {t!r}" for t, r in zip(texts, batch)][:3 - len(samples)]
@@ -1498,7 +1517,7 @@ def train(args: Args) -> dict:
     model, tokenizer = load_model_and_tokenizer(args.model, torch.float32 if args.fsdp else dtype,
                                                 args.trust_remote_code)
     eos_ids = stop_token_ids(model, tokenizer)
-    vocab_size = len(tokenizer)  # the sampler and every log-prob see the tokenizer's ids only (see generate)
+    vocab_size = token_id_limit(tokenizer, eos_ids)  # the sampler and every log-prob see these ids only
     reference = None
     tiny_base = copy.deepcopy(model) if args.lora_r > 0 and args.model == "tiny" else None  # see save_checkpoint
     if args.lora_r > 0:
@@ -1741,7 +1760,8 @@ def train(args: Args) -> dict:
         evaluates the same rows, since every forward pass is a collective."""
         if not eval_rows or (not is_main and not args.fsdp):  # (no held-out rows: no line of NaN accuracy)
             return float("nan")
-        accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device, eos_ids, decode_forward=decode_forward)
+        accuracy, samples = evaluate(model, tokenizer, eval_rows, args, device, eos_ids, vocab_size,
+                                     decode_forward=decode_forward)
         if not is_main:
             return float("nan")
         print0(f"eval accuracy at step {step}: {accuracy:.3f}" + (f"  (e.g. {'; '.join(samples)})" if samples else ""))

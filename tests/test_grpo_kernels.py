@@ -1439,6 +1439,10 @@ def test_generate_never_feeds_back_the_last_token():
 # ---------------------------------------------------------------------------------------------------------------
 # rewards: the answer a completion states, its format, failures
 
+# the answer field of a GSM8K row: the worked solution, its last line "#### <answer>"
+GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                "altogether in April and May.\n#### 72")
+
 
 @pytest.mark.parametrize("completion, answer, expected", [
     ("so the sum is 12", "12", 1.0),
@@ -1500,9 +1504,22 @@ def test_generate_never_feeds_back_the_last_token():
     ("\\boxed{5\\text{ and }7}", "5", 0.0), ("\\boxed{2\\text{ and }x}", "2x", 0.0),
     ("\\boxed{18\\text{ cm}^2}", "18", 0.0), ("\\boxed{18\\text{ cm}^2}", "18^2", 0.0),
     ("\\boxed{\\text{(A)}}", "\\text{(A)}", 1.0),
+    # a reference that is a worked solution states its answer as a completion does (GSM8K's answer field, MATH's)
+    ("#### 72", GSM8K_ANSWER, 1.0), ("\\boxed{72}", GSM8K_ANSWER, 1.0), ("72", GSM8K_ANSWER, 1.0),
+    ("#### 71", GSM8K_ANSWER, 0.0), ("#### 24", GSM8K_ANSWER, 0.0), ("\\boxed{5}", "\\boxed{5}", 1.0),
+    ("\\boxed{0.5}", "so it is $\\boxed{\\frac{1}{2}}$.", 1.0), ("\\boxed{x^2}", "\\boxed{x^2}", 1.0),
+    # \\frac12: one-digit parts without braces
+    ("\\boxed{\\frac12}", "1/2", 1.0), ("\\boxed{\\dfrac 3 4}", "0.75", 1.0), ("\\boxed{\\frac12}", "12", 0.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
+
+
+def test_answer_reward_of_a_fraction_past_ints_digit_limit_is_0_not_an_error():
+    """int() refuses more than 4,300 digits: a degenerate completion scores 0 (a raise would stop the run, or
+    crash the evaluation, which has no --reward-errors)."""
+    assert answer_reward("2\\frac{1}{" + "1" * 4400 + "}", "2") == 0.0
+    assert answer_reward("\\boxed{" + "7" * 4400 + "\\frac{1}{2}}", "7.5") == 0.0
 
 
 def test_json_number_answers_keep_their_value(tmp_path):
@@ -1535,6 +1552,9 @@ def test_final_answer_reads_fractions_and_unclosed_boxes():
     ("42", 1.0), ("-3.5", 1.0), ("07", 0.0), ("4 2", 0.0), ("so #### 12", 1.0), ("so #### -3", 1.0),
     ("#### 12 ok", 0.0), ("#### 5,,,,", 0.0), ("#### 1.2.3.4", 0.0), ("#### 1,234", 1.0),
     ("so \\boxed{\\frac{1}{2}}", 1.0), ("so \\boxed{}", 0.0), ("\\boxed{3} more", 0.0),
+    # closing marks after the statement: math mode, a full stop (a bare number stays strict)
+    ("so $\\boxed{5}$.", 1.0), ("so \\(\\boxed{5}\\)", 1.0), ("\\[\\boxed{5}\\]", 1.0), ("#### 5.", 1.0),
+    ("5.", 0.0), ("\\boxed{3} more.", 0.0), ("#### 1.2.3.", 0.0), ("so $.", 0.0),
 ])
 def test_format_reward(completion, expected):
     assert format_reward(completion, "") == expected

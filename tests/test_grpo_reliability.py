@@ -331,6 +331,49 @@ def test_a_model_with_more_token_rows_than_its_tokenizer_samples_only_the_tokeni
     assert all(abs(row["ratio_mean"] - 1.0) < 0.05 for row in metrics)  # and the second minibatch's old log-probs
 
 
+def test_a_tokenizer_whose_ids_have_gaps_can_still_end_completions(tmp_path, capsys, monkeypatch):
+    """len(tokenizer) counts ids: here 23 of them, with EOS at 30 and pad at 31 past a gap (special tokens at the
+    top of a reserved range). EOS, whose logit is raised far above the rest, must be drawable: every completion is
+    one EOS long, and the sampler draws below the tokenizer's largest id + 1 (32), not below 23."""
+    from tokenizers import Tokenizer, models, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(grpo.TINY_CHARS)}  # 0 .. 18
+    vocab.update({"<unk>": 19, "<bos>": 20, "<eos>": 30, "<pad>": 31})  # nothing at 21 .. 29
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.add_special_tokens(["<unk>", "<bos>", "<eos>", "<pad>"])
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 20)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>", unk_token="<unk>")
+    assert (len(tokenizer), tokenizer.eos_token_id, grpo.token_id_limit(tokenizer)) == (23, 30, 32)
+    assert grpo.token_id_limit(tokenizer, [40]) == 41  # a stop id of the generation config counts too
+    config = LlamaConfig(vocab_size=32, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=128, eos_token_id=30, pad_token_id=31)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    real_load, seen, real_generate = grpo.load_model_and_tokenizer, [], grpo.generate
+
+    def load_with_a_likely_eos(*args, **kwargs):
+        model, tokenizer = real_load(*args, **kwargs)
+        boost = torch.zeros(32)
+        boost[30] = 50.0
+        model.lm_head.register_forward_hook(lambda module, inputs, output: output + boost)
+        return model, tokenizer
+
+    def recording_generate(*args, **kwargs):
+        completion_ids, completion_mask, logp = real_generate(*args, **kwargs)
+        seen.append((kwargs["vocab_size"], completion_ids, completion_mask))
+        return completion_ids, completion_mask, logp
+
+    monkeypatch.setattr(grpo, "load_model_and_tokenizer", load_with_a_likely_eos)
+    monkeypatch.setattr(grpo, "generate", recording_generate)
+    code, err = run_main(["--output-dir", str(tmp_path / "out"), *QUICK, "--total-steps", "1", "--model",
+                          str(tmp_path / "model"), "--max-new-tokens", "4", "--no-chat-template"], capsys)
+    assert code == 0, err
+    assert seen and all(limit == 32 for limit, _, _ in seen)
+    assert all((ids[:, 0] == 30).all() and (mask.sum(1) == 1).all() for _, ids, mask in seen)
+
+
 @pytest.mark.parametrize("is_decoder", [False, True])
 def test_a_model_that_is_not_causal_is_refused(is_decoder, tmp_path, capsys):
     """A BERT checkpoint loads through AutoModelForCausalLM as BertLMHeadModel, bidirectional unless its config says
