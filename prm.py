@@ -99,7 +99,8 @@ class Args:
     num_eval_rows: int = 500
     """at most this many held-out rows are evaluated"""
     num_val_rows: int = 200
-    """training rows held out (at most a tenth) to choose the first-error threshold on; 0 = a fixed 0.5"""
+    """training rows held out (at most a tenth) to choose the eval's first-error threshold on (with --data-path: only
+    when there is an --eval-data-path); 0 = a fixed 0.5"""
     step_separator: str = "\n"
     """appended to every step, the last one included; the step's label sits on its last token"""
     max_length: int = 1024
@@ -840,7 +841,20 @@ def causal_hidden_size(backbone, name: str) -> int:
 
 def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optional[torch.nn.Module]]:
     """Backbone (with LoRA when --lora-r > 0) and a new head, on the CPU. Also returns a copy of the base backbone
-    when an adapter will need one saved beside it (the random-init tiny model cannot be reloaded by name)."""
+    when an adapter will need one saved beside it (the random-init tiny model cannot be reloaded by name). A PRM
+    that this script saved with full fine-tuning is a model directory too: training goes on from its head as well
+    (a new head would throw away what it learnt)."""
+    saved_prm_config = os.path.join(args.model, "prm_config.json")
+    if os.path.isfile(saved_prm_config):
+        with open(saved_prm_config) as f:
+            saved_prm = json.load(f)
+        if saved_prm.get("lora"):
+            raise UserError(f"--model {args.model} is a PRM that prm.py trained with LoRA: an adapter, not a model to "
+                            "start from; continue its run with --resume-from one of its checkpoints, or start from "
+                            f"its base model ({saved_prm.get('base_model')})")
+        if not os.path.isfile(os.path.join(args.model, "reward_head.safetensors")):
+            raise UserError(f"--model {args.model} is an incomplete PRM: no reward_head.safetensors in it (a copy cut "
+                            "short?); copy the whole directory that prm.py saved")
     backbone, tokenizer = load_backbone_and_tokenizer(args.model, dtype, args.trust_remote_code)
     hidden_size = causal_hidden_size(backbone, args.model)
     dropout_rates = {} if args.backbone_dropout else disable_dropout(backbone)  # before LoRA: --lora-dropout stays
@@ -855,6 +869,12 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
               "loss_kind": args.loss_kind}
     prm = ProcessRewardModel(backbone, hidden_size, tokenizer, config)
     prm.dropout_rates = dropout_rates
+    if os.path.isfile(saved_prm_config):
+        from safetensors.torch import load_file
+
+        prm.head.load_state_dict(load_file(os.path.join(args.model, "reward_head.safetensors")))
+        print0(f"note: --model {args.model} is a PRM saved by prm.py: training starts from its reward head too",
+               enabled=os.environ.get("RANK", "0") == "0")
     return prm, base_copy
 
 
@@ -970,7 +990,9 @@ def predict(prm: ProcessRewardModel, examples: list[dict], batch_size: int) -> l
         chunk = order[start:start + batch_size]
         batch = collate([examples[i] for i in chunk], pad_id, device, prm.pack_rows)
         logits = prm(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["positions"])  # [b, S]
-        values = torch.sigmoid(logits) if prm.config["loss_kind"] == "bce" else logits
+        # fp64: fp32's sigmoid is exactly 1.0 past a logit of 16.6, which would tie confident steps in AUROC and in
+        # the threshold search (fp64's, past 36.7)
+        values = torch.sigmoid(logits.double()) if prm.config["loss_kind"] == "bce" else logits
         for row, i in enumerate(chunk):
             scores[i] = values[row, :len(examples[i]["positions"])].tolist()
     prm.train(was_training)
@@ -1473,7 +1495,9 @@ def train(args: Args) -> dict:
     else:
         rows, skipped_rows = load_jsonl_rows(args.data_path, skip_bad_rows=args.skip_bad_rows)
         random.Random(args.seed).shuffle(rows)
-        num_val = min(args.num_val_rows, len(rows) // 10)  # never more than a tenth of the training data
+        # never more than a tenth of the training data, and none without eval rows: they only choose the
+        # threshold that the eval's first-error F1 is taken at
+        num_val = min(args.num_val_rows, len(rows) // 10) if args.eval_data_path else 0
         val_rows, train_rows = rows[:num_val], rows[num_val:]
         eval_rows = []
     if args.eval_data_path:  # replaces the built-in eval rows too (the built-in training rows stay as they are)
@@ -1570,7 +1594,8 @@ def train(args: Args) -> dict:
     if resume_path:
         state = load_trainer_state(resume_path)
         if state.get("data_fingerprint") != fingerprint:
-            cause = ("same --data-path and --num-val-rows, but the file changed?" if args.data_path else
+            cause = ("same --data-path and --num-val-rows, and an --eval-data-path (which validation rows are held out "
+                     "for) or none, but the file changed?" if args.data_path else
                      "the built-in rows changed: a checkpoint of another version of prm.py?")
             raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's ({cause}); "
                             "resume on the same data")

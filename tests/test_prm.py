@@ -904,6 +904,18 @@ def test_the_threshold_is_chosen_on_validation_rows_only(monkeypatch):
     assert prm.evaluate_prm(model, val, eval_rows, 8)["eval_first_error_threshold"] == pytest.approx(0.8)
 
 
+def test_confident_scores_do_not_round_to_one():
+    """fp32's sigmoid is exactly 1.0 past a logit of 16.6: steps scored 18 and 20 would tie in AUROC and in the
+    threshold search. predict takes it in fp64."""
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    for logit in (18.0, 20.0):
+        with torch.no_grad():
+            model.head.weight.zero_()
+            model.head.bias.fill_(logit)
+        score = prm.score_steps(model, ["start 1\n"], [["1+1=2"]], 4)[0][0]  # (through predict)
+        assert score < 1.0 and score == pytest.approx(1 / (1 + math.exp(-logit)), rel=0, abs=1e-15)
+
+
 def test_load_prm_is_in_eval_mode(tmp_path):
     model, _ = prm.build_prm(prm.Args(), torch.float32)
     prm.save_prm(str(tmp_path / "prm"), model)

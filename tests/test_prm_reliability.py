@@ -379,6 +379,29 @@ def test_a_backbone_that_is_not_causal_is_refused(tmp_path, capsys):
         assert not (out / "final").exists()
 
 
+def test_a_saved_prm_given_as_model_keeps_its_trained_head(tmp_path, capsys):
+    """--model final/ of a full fine-tuning run is a model directory: training goes on from its head too, so with a
+    zero learning rate the new run starts where the saved one ended (a new random head started from chance). A LoRA
+    PRM is an adapter, refused with what to do instead."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    code, err = run_main(["--output-dir", str(first), *QUICK, "--total-steps", "12", "--learning-rate", "3e-3",
+                          "--eval-every", "0"], capsys)
+    assert code == 0, err
+    code, out, err = run_main(["--output-dir", str(second), *QUICK, "--total-steps", "1", "--learning-rate", "0",
+                               "--model", str(first / "final")], capsys, with_stdout=True)
+    assert code == 0, err
+    assert f"--model {first / 'final'} is a PRM saved by prm.py: training starts from its reward head too" in out
+    trained, continued = read_summary(first), read_summary(second)
+    assert trained["eval_auroc_end"] != pytest.approx(trained["eval_auroc_start"], abs=0.05)  # it did learn
+    for key in ("eval_auroc", "eval_step_accuracy", "eval_first_error_f1"):
+        assert continued[f"{key}_start"] == pytest.approx(trained[f"{key}_end"], abs=1e-6), key
+    lora = tmp_path / "lora"
+    code, err = run_main(["--output-dir", str(lora), *QUICK, "--total-steps", "1", "--lora-r", "4"], capsys)
+    assert code == 0, err
+    code, err = run_main(["--output-dir", str(tmp_path / "third"), *QUICK, "--model", str(lora / "final")], capsys)
+    assert code == 2 and "is a PRM that prm.py trained with LoRA" in err and "its base model (tiny)" in err, err
+
+
 def test_a_held_out_row_with_no_step_kept_is_still_evaluated(tmp_path, capsys):
     """Its first error was truncated away: it counts in first-error F1 as a miss, not left out (which raised F1)."""
     train = write_rows(tmp_path / "train.jsonl", builtin_rows(20))

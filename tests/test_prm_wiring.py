@@ -466,14 +466,22 @@ def test_resume_keeps_the_skipped_update_count(tmp_path, capsys, monkeypatch):
 
 
 def test_validation_rows_are_a_seeded_shuffle_not_the_head_of_the_file(tmp_path, capsys, monkeypatch):
+    """A tenth of the rows at most, drawn by a seeded shuffle, and only when an eval file is given: they choose the
+    threshold of the eval's first-error F1 and serve nothing else, so without one every row is trained on."""
     seen, real_encode = {}, prm.encode_rows
     monkeypatch.setattr(prm, "encode_rows", lambda tokenizer, rows, separator, length, what="training", **kwargs: (
         seen.setdefault(what, rows), real_encode(tokenizer, rows, separator, length, what, **kwargs))[1])
     rows = builtin_rows(40)
     data = write_rows(tmp_path / "rows.jsonl", rows)
-    assert run_main(["--output-dir", str(tmp_path / "out"), *SMALL, "--data-path", str(data), "--total-steps", "1"],
-                    capsys)[0] == 0
-    assert len(seen["validation"]) == 4 and seen["validation"] != rows[:4]
+    eval_data = write_rows(tmp_path / "eval.jsonl", builtin_rows(44)[40:])
+    assert run_main(["--output-dir", str(tmp_path / "out"), *SMALL, "--data-path", str(data), "--total-steps", "1",
+                     "--eval-data-path", str(eval_data)], capsys)[0] == 0
+    assert len(seen["validation"]) == 4 and seen["validation"] != rows[:4] and len(seen["training"]) == 36
+    seen.clear()
+    code, out, _ = run_main(["--output-dir", str(tmp_path / "no-eval"), *SMALL, "--data-path", str(data),
+                             "--total-steps", "1"], capsys, with_stdout=True)
+    assert code == 0 and len(seen["training"]) == 40 and seen["validation"] == []
+    assert "40 training rows, 0 validation, 0 eval" in out
 
 
 def test_score_mode_skips_bad_rows_when_asked(tmp_path, capsys):
