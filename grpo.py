@@ -192,7 +192,7 @@ class Args:
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (0 = off)"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay, of the weight matrices only (not of biases and norm gains, as transformers' Trainer)"""
     adam_betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas"""
     warmup_steps: int = 0
@@ -1156,6 +1156,15 @@ def sum_gradients(master: list, distributed: bool) -> None:
         m.grad = g.view_as(m).to(m.dtype)
 
 
+def decay_groups(params: list, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: weight decay on matrices only, not on vectors (biases, norm gains), as nanoGPT and
+    transformers' Trainer have it: decay pulls a norm's gain towards 0, which rescales its layer's output rather
+    than regularising it. "decay" marks the group that --weight-decay sets (a resumed run applies the flag to it)."""
+    groups = ({"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "decay": True},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False})
+    return [group for group in groups if group["params"]]
+
+
 def lr_lambda(args: Args, total_updates: int):
     def factor(update: int) -> float:
         if update < args.warmup_steps:
@@ -1572,8 +1581,8 @@ def train(args: Args) -> dict:
     master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in trainable]
     mastered = [(p, m) for p, m in zip(trainable, master) if m is not p]  # (bf16 weight, its fp32 copy)
     # fused: one kernel for all parameters instead of a loop of small ops (4-5x faster steps on CPU)
-    optimizer = torch.optim.AdamW(master, lr=args.learning_rate, betas=args.adam_betas,
-                                  weight_decay=args.weight_decay, eps=1e-8, fused=True)
+    optimizer = torch.optim.AdamW(decay_groups(master, args.weight_decay), lr=args.learning_rate, betas=args.adam_betas,
+                                  eps=1e-8, fused=True)
     total_updates = args.total_steps * args.num_iterations * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_updates))
 
@@ -1641,7 +1650,11 @@ def train(args: Args) -> dict:
             set_optimizer_state_dict(model, optimizer, state["optimizer"],
                                      options=StateDictOptions(full_state_dict=True))
         elif not args.fsdp:
-            optimizer.load_state_dict(state["optimizer"])
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+            except ValueError as error:  # another set of parameters or of groups (a checkpoint of an older grpo.py)
+                raise UserError(f"--resume-from {resume_path}: its optimiser state does not fit this run "
+                                f"({str(error).strip().splitlines()[0]})") from None
         scheduler.load_state_dict(state["scheduler"])
         # the flags win over the optimiser settings the checkpoint restored, with the schedule where it had got to
         restored = {"--learning-rate": scheduler.base_lrs[0],
@@ -1653,8 +1666,9 @@ def train(args: Args) -> dict:
             print0(f"resuming with {flag} {wanted[flag]} (the checkpoint's run had {restored[flag]})", enabled=is_main)
         scheduler.base_lrs = [args.learning_rate] * len(optimizer.param_groups)
         for group in optimizer.param_groups:
+            decay = args.weight_decay if group.get("decay", True) else 0.0  # (older checkpoints: one group, decayed)
             group.update(lr=args.learning_rate * scheduler.lr_lambdas[0](scheduler.last_epoch), betas=args.adam_betas,
-                         weight_decay=args.weight_decay, initial_lr=args.learning_rate)
+                         weight_decay=decay, initial_lr=args.learning_rate)
         for (_, m), saved in zip(mastered, state.get("master", []), strict=bool(state.get("master"))):
             m.data.copy_(saved)  # the fp32 masters, not the weights rounded to bf16 (older checkpoints lack them)
         for p, m in mastered:

@@ -140,7 +140,7 @@ class Args:
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this (0 = off)"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay, of the weight matrices only (not of biases and norm gains, as transformers' Trainer)"""
     adam_betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas"""
     warmup_steps: int = 20
@@ -1321,6 +1321,15 @@ def sum_gradients(master: list, distributed: bool) -> None:
         m.grad = g.view_as(m).to(m.dtype)
 
 
+def decay_groups(params: list, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: weight decay on matrices only, not on vectors (biases, norm gains), as nanoGPT and
+    transformers' Trainer have it: decay pulls a norm's gain towards 0, which rescales its layer's output rather
+    than regularising it. "decay" marks the group that --weight-decay sets (a resumed run applies the flag to it)."""
+    groups = ({"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "decay": True},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False})
+    return [group for group in groups if group["params"]]
+
+
 def lr_lambda(args: Args, total_updates: int):
     def factor(update: int) -> float:
         if update < args.warmup_steps:
@@ -1581,8 +1590,8 @@ def train(args: Args) -> dict:
     master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in trainable]
     mastered = [(p, m) for p, m in zip(trainable, master) if m is not p]  # (bf16 weight, its fp32 copy)
     # fused: one kernel for every parameter (4-5x faster than the per-tensor loop torch picks on CPU)
-    optimizer = torch.optim.AdamW(master, lr=args.learning_rate, betas=args.adam_betas,
-                                  weight_decay=args.weight_decay, eps=1e-8, fused=True)
+    optimizer = torch.optim.AdamW(decay_groups(master, args.weight_decay), lr=args.learning_rate, betas=args.adam_betas,
+                                  eps=1e-8, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, args.total_steps))
     fingerprint = data_fingerprint(train_rows, val_rows)
     eval_fingerprint = data_fingerprint(eval_rows)  # the saved eval figures are reused only on the same rows
@@ -1646,8 +1655,9 @@ def train(args: Args) -> dict:
             print0("note: " + "; ".join(changed), enabled=is_main)
         scheduler.base_lrs = [args.learning_rate for _ in optimizer.param_groups]
         for group, schedule in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            decay = args.weight_decay if group.get("decay", True) else 0.0  # (older checkpoints: one group, decayed)
             group.update(lr=args.learning_rate * schedule(scheduler.last_epoch), initial_lr=args.learning_rate,
-                         betas=tuple(args.adam_betas), weight_decay=args.weight_decay)
+                         betas=tuple(args.adam_betas), weight_decay=decay)
         print0(f"resumed from {resume_path} at step {start_step}", enabled=is_main)
 
     # after the optimiser and its resumed state have taken the parameters: under FSDP a forward outside training

@@ -24,9 +24,10 @@ TIMING_KEYS = {"step_time_s", "generation_time_s", "reward_time_s", "reference_t
 # --share-prompts always: two forward passes (prompts, then completions) before each backward pass under FSDP
 GRPO_FLAGS = ["--total-steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--micro-batch-size", "8",
               "--kl-coef", "0.05", "--learning-rate", "1e-3", "--eval-every", "2", "--num-eval-prompts", "8",
-              "--save-every", "2", "--share-prompts", "always"]
+              "--save-every", "2", "--share-prompts", "always", "--weight-decay", "0.1"]
 PRM_FLAGS = ["--total-steps", "3", "--batch-size", "16", "--micro-batch-size", "4", "--eval-every", "2",
-             "--num-eval-rows", "40", "--num-val-rows", "40", "--learning-rate", "1e-3", "--save-every", "2"]
+             "--num-eval-rows", "40", "--num-val-rows", "40", "--learning-rate", "1e-3", "--save-every", "2",
+             "--weight-decay", "0.1"]  # (decayed matrices, undecayed vectors: the groups survive a sharded resume)
 
 
 def run_one(script: str, out: Path, *flags: str) -> None:
