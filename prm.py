@@ -421,9 +421,11 @@ def parse_row(line: str, need_labels: bool) -> dict:
     return {"prompt": prompt, "completions": steps, "labels": [float(label) for label in labels]}
 
 
-def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool = False) -> tuple[list[dict], int]:
+def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool = False,
+                    skipped_places: Optional[list] = None) -> tuple[list[dict], int]:
     """Rows of a JSONL file and the number skipped. An invalid row is an error naming the file and line, or,
-    with skip_bad_rows, a warning and a count. A file that cannot be read at all is an error either way."""
+    with skip_bad_rows, a warning and a count (and, into skipped_places if given, its place among the valid rows
+    and what was wrong, for write_scores). A file that cannot be read at all is an error either way."""
     what = '{"prompt", "completions", "labels"}' if need_labels else '{"prompt", "completions"}'
     if not os.path.exists(path):
         raise UserError(f"data file {path!r} does not exist; pass a JSONL file of {what} rows")
@@ -445,6 +447,8 @@ def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool 
                     if not skip_bad_rows:
                         raise UserError(f"{path}:{line_number}: {problem} (--skip-bad-rows skips such rows)") from None
                     skipped += 1
+                    if skipped_places is not None:
+                        skipped_places.append((len(rows), f"line {line_number}: {problem}"))
                     print0(f"warning: skipped {path}:{line_number}: {problem}", file=sys.stderr,
                            enabled=notify and skipped <= 5)
     except OSError as error:
@@ -1416,12 +1420,18 @@ def evaluate_prm(prm, val_examples: list[dict], eval_examples: list[dict], batch
     return evaluate(predict(prm, eval_examples, batch_size), [e["all_labels"] for e in eval_examples], threshold)
 
 
-def write_scores(path: str, rows: list[dict], scores: list[list[float]]) -> None:
-    """The input rows, unchanged, with a "scores" list added to each (one per kept step), written atomically."""
+def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped_places: list = ()) -> None:
+    """The input rows, unchanged, with a "scores" list added to each (one per kept step), written atomically. A row
+    skipped as invalid (--skip-bad-rows) keeps its line, as {"skipped": "line N: what is wrong", "scores": null}:
+    output line k is input line k's (blank lines aside), so the two files can be read side by side."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    pending = list(skipped_places)  # (place among the valid rows, message), in file order
     with open(path + ".tmp", "w") as f:
-        for row, row_scores in zip(rows, scores, strict=True):
-            f.write(json.dumps({**row, "scores": row_scores}) + "\n")
+        for place in range(len(rows) + 1):
+            while pending and pending[0][0] == place:
+                f.write(json.dumps({"skipped": pending.pop(0)[1], "scores": None}) + "\n")
+            if place < len(rows):
+                f.write(json.dumps({**rows[place], "scores": scores[place]}) + "\n")
     os.replace(path + ".tmp", path)
 
 
@@ -1435,14 +1445,16 @@ def score_file(args: Args) -> dict:
     device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     start = time.perf_counter()
-    rows, skipped = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
+    skipped_places = []
+    rows, skipped = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows,
+                                    skipped_places=skipped_places)
     prm = load_prm(args.prm_path, device, dtype, args.trust_remote_code)
     try:
         scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows],
                              args.eval_batch_size)
     except ValueError as problem:  # a step that tokenises to nothing (solutions counted over the valid rows)
         raise UserError(f"{args.score_data_path}, {problem}") from None
-    write_scores(args.scores_output, rows, scores)
+    write_scores(args.scores_output, rows, scores, skipped_places)
     summary = {"rows": len(rows), "skipped_rows": skipped, "scored_steps": sum(len(s) for s in scores),
                "dropped_steps": sum(len(r["completions"]) - len(s) for r, s in zip(rows, scores, strict=True)),
                "time_s": time.perf_counter() - start}
@@ -1512,9 +1524,10 @@ def train(args: Args) -> dict:
     if args.eval_data_path:  # replaces the built-in eval rows too (the built-in training rows stay as they are)
         eval_rows, skipped = load_jsonl_rows(args.eval_data_path, skip_bad_rows=args.skip_bad_rows)
         eval_rows, skipped_rows = eval_rows[:args.num_eval_rows], skipped_rows + skipped
-    score_rows = []
+    score_rows, skipped_score_places = [], []
     if args.score_data_path:  # scored at the end, with the final model
-        score_rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows)
+        score_rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows,
+                                        skipped_places=skipped_score_places)
 
     # ---- model: backbone (+ LoRA) and reward head; a resumed run loads the checkpoint's weights over them
     # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
@@ -1894,7 +1907,8 @@ def train(args: Args) -> dict:
             logger.log(last_step, eval_metrics)
         scores = score_examples(prm, examples_to_score, args.eval_batch_size) if score_rows else None
         if is_main and scores is not None:
-            write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores)
+            write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores,
+                         skipped_score_places)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
 
     def per_second(amount: float, seconds: float) -> float:  # NaN (null) when no step ran: a resume that only

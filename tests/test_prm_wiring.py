@@ -485,14 +485,27 @@ def test_validation_rows_are_a_seeded_shuffle_not_the_head_of_the_file(tmp_path,
     assert "40 training rows, 0 validation, 0 eval" in out
 
 
-def test_score_mode_skips_bad_rows_when_asked(tmp_path, capsys):
+def test_scoring_skips_bad_rows_when_asked_and_keeps_their_lines(tmp_path, capsys):
+    """Output line k is input line k's, whether scored by a saved PRM or at the end of training: a skipped row
+    leaves {"skipped": "line N: what is wrong", "scores": null} in its place."""
     model, _ = prm.build_prm(prm.Args(), torch.float32)
     prm.save_prm(str(tmp_path / "prm"), model)
-    data = write_rows(tmp_path / "rows.jsonl", [{"prompt": "start 1\n", "completions": ["1+1=2"]}, "{"])
-    code, err = run_main(["--prm-path", str(tmp_path / "prm"), "--score-data-path", str(data), "--scores-output",
-                          str(tmp_path / "scores.jsonl"), "--skip-bad-rows"], capsys)
-    assert code == 0, err
-    assert len((tmp_path / "scores.jsonl").read_text().splitlines()) == 1
+    good = [{"prompt": "start 1\n", "completions": ["1+1=2"], "id": 1},
+            {"prompt": "start 2\n", "completions": ["2+1=3", "3+1=4"], "id": 3}]
+    data = write_rows(tmp_path / "rows.jsonl", [good[0], "{", good[1], {"prompt": "p"}])
+    runs = {"score": ["--prm-path", str(tmp_path / "prm")],
+            "train": ["--output-dir", str(tmp_path / "run"), *SMALL, "--total-steps", "1"]}
+    for name, flags in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        code, err = run_main([*flags, "--score-data-path", str(data), "--scores-output", str(out),
+                              "--skip-bad-rows"], capsys)
+        assert code == 0, err
+        written = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [row.get("id") for row in written] == [1, None, 3, None], name
+        assert [len(row["scores"]) for row in (written[0], written[2])] == [1, 2]
+        assert written[1]["scores"] is None and written[1]["skipped"].startswith("line 2: ")
+        assert written[3] == {"skipped": "line 4: " + written[3]["skipped"][8:], "scores": None}
+        assert "completions" in written[3]["skipped"]
 
 
 # listed here, not read from RESUME_MUST_MATCH; the data is checked by its content, not its path (see
