@@ -608,18 +608,19 @@ def test_resume_applies_a_changed_learning_rate_weight_decay_and_betas(tmp_path,
     assert read_metrics(new)[2]["learning_rate"] == learning_rate
     # the checkpoint after the resumed step holds the new settings, the rate where the schedule has it
     state = torch.load(new / "checkpoint-3" / "trainer_state.pt", weights_only=True)
-    [group] = state["optimizer"]["param_groups"]
-    assert state["scheduler"]["base_lrs"] == [0.004] and group["initial_lr"] == 0.004
-    assert (group["lr"], group["weight_decay"], tuple(group["betas"])) == (0.004 * factor(3), 0.1, (0.8, 0.9))
-    # and the resumed step was AdamW's update with them: by hand on the head (the last two parameters)
+    matrices, vectors = state["optimizer"]["param_groups"]  # decayed; not (norm gains, biases)
+    assert state["scheduler"]["base_lrs"] == [0.004, 0.004] and matrices["initial_lr"] == vectors["initial_lr"] == 0.004
+    assert (matrices["lr"], matrices["weight_decay"], tuple(matrices["betas"])) == (0.004 * factor(3), 0.1, (0.8, 0.9))
+    assert (vectors["lr"], vectors["weight_decay"], tuple(vectors["betas"])) == (0.004 * factor(3), 0.0, (0.8, 0.9))
+    # and the resumed step was AdamW's update with them: by hand on the head (the last parameter of each group)
     before = load_file(new / "checkpoint-2" / "reward_head.safetensors")
     after = load_file(new / "checkpoint-3" / "reward_head.safetensors")
     moments = state["optimizer"]["state"]
-    for index, name in ((len(moments) - 2, "weight"), (len(moments) - 1, "bias")):
+    for index, name, decay in ((matrices["params"][-1], "weight", weight_decay), (vectors["params"][-1], "bias", 0.0)):
         m, v, step = moments[index]["exp_avg"], moments[index]["exp_avg_sq"], moments[index]["step"].item()
         assert step == 3
         update = (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt() + 1e-8)
-        expected = before[name] * (1 - learning_rate * weight_decay) - learning_rate * update
+        expected = before[name] * (1 - learning_rate * decay) - learning_rate * update
         assert torch.allclose(after[name], expected, rtol=0.0, atol=1e-7), name
     # which is not the step the old settings take
     assert max_difference(load_file(old / "checkpoint-3" / "model.safetensors"),
