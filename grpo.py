@@ -1519,6 +1519,14 @@ def train(args: Args) -> dict:
     if not resuming_here and os.path.isfile(os.path.join(output_dir, "metrics.jsonl")) and not args.overwrite:
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
                         "to continue it, or another --output-dir")
+    if args.lora_r > 0 and os.path.isdir(args.model):
+        # the saved adapter names its base model by this path; under --output-dir, its final/ and checkpoints are
+        # what this run deletes and replaces (--overwrite, --keep-checkpoints, a resume from an earlier checkpoint)
+        inside = os.path.relpath(os.path.realpath(args.model), os.path.realpath(output_dir)).split(os.sep)[0]
+        if inside == "final" or re.fullmatch(r"checkpoint-\d+", inside):
+            raise UserError(f"--model {args.model} lies among the files of --output-dir {output_dir}, which this run "
+                            "deletes or replaces, while the LoRA adapter it saves names that model as its base: copy "
+                            "the model elsewhere first, or pick another --output-dir")
     seed_everything(args.seed)  # the same on every rank: identical initial weights
 
     # ---- model, reference policy, optimiser
@@ -1939,6 +1947,7 @@ def train(args: Args) -> dict:
             counts = counts.tolist()  # [minibatches][tokens, sequences]
             stat_sums: dict[str, torch.Tensor] = {}  # token-weighted sums, kept on the device: no sync per micro-batch
             reported_losses, reported_grad_norms = [], []
+            too_many_bad_updates = False  # --max-bad-steps skipped updates in a row: the run stops after this step
             for iteration, minibatch in itertools.product(range(args.num_iterations), range(args.num_minibatches)):
                 loss_sum = torch.zeros((), device=device)
                 reported = iteration == args.num_iterations - 1  # the last iteration's view of the batch is logged
@@ -1995,9 +2004,7 @@ def train(args: Args) -> dict:
                     bad_steps_in_a_row += 1
                     print0(f"warning: non-finite loss or gradient at step {step + 1}; update skipped", file=sys.stderr,
                            enabled=is_main)
-                    if bad_steps_in_a_row >= args.max_bad_steps:
-                        raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
-                                           "lower --learning-rate or check the reward scale")
+                    too_many_bad_updates |= bad_steps_in_a_row >= args.max_bad_steps
                 applied_lr = optimizer.param_groups[0]["lr"]  # this update's rate (logged), before the schedule moves
                 with warnings.catch_warnings():  # a skipped first update is meant: the schedule counts updates tried
                     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
@@ -2074,6 +2081,9 @@ def train(args: Args) -> dict:
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
                 eval_accuracy = metrics["eval_accuracy"] = run_eval(step + 1)
             logger.log(step + 1, metrics)
+            if too_many_bad_updates:  # (after its row: metrics.jsonl shows the step that stopped the run)
+                raise UserError(f"{args.max_bad_steps} updates in a row had a non-finite loss or gradient; lower "
+                                "--learning-rate or check the reward scale")
             # a signal stops every process after the same step (torchrun forwards it to all, not at the same moment)
             stop = torch.tensor([float(len(stop_signal))], device=device)
             if distributed:

@@ -859,6 +859,12 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
         if not os.path.isfile(os.path.join(args.model, "reward_head.safetensors")):
             raise UserError(f"--model {args.model} is an incomplete PRM: no reward_head.safetensors in it (a copy cut "
                             "short?); copy the whole directory that prm.py saved")
+        # its head reads the hidden state at the end of each step's separator, as a logit (bce) or a score (mse)
+        differing = [f"--{name.replace('_', '-')} {saved_prm[name]!r}" for name in ("loss_kind", "step_separator")
+                     if saved_prm.get(name, getattr(args, name)) != getattr(args, name)]
+        if differing:
+            raise UserError(f"--model {args.model} is a PRM trained with {', '.join(differing)}, which its head was "
+                            "trained for; pass the same to train it further")
     backbone, tokenizer = load_backbone_and_tokenizer(args.model, dtype, args.trust_remote_code)
     hidden_size = causal_hidden_size(backbone, args.model)
     dropout_rates = {} if args.backbone_dropout else disable_dropout(backbone)  # before LoRA: --lora-dropout stays
@@ -930,8 +936,10 @@ def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Op
 
 
 def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False) -> ProcessRewardModel:
-    """A PRM saved by this script, in eval mode. device None = cuda when available; dtype None = bfloat16 on
-    CUDA when supported, else float32 (the head is always fp32)."""
+    """A PRM saved by this script, in eval mode. device None = cuda when available; dtype None = the dtype it was
+    trained in (prm_config.json records it), which gives the scores of the end of training: on the CPU always, on a
+    GPU unless that is bf16 and the GPU lacks native bf16 (then float32); a PRM that does not record it, bfloat16 on
+    a GPU with native bf16, else float32. The head is always fp32."""
     from safetensors.torch import load_file
     from transformers import AutoModel, AutoTokenizer
 
@@ -941,8 +949,7 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
     with open(config_path) as f:
         config = json.load(f)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is None:  # the dtype it was trained in, which gives the scores of the end of training; bf16 only on
-        # a GPU that has it natively (older PRMs, and bf16 ones elsewhere: auto_dtype)
+    if dtype is None:  # the dtype it was trained in; on a GPU, bf16 only where it is native (else auto_dtype)
         trained_in = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(config.get("dtype"))
         usable = trained_in == torch.float32 or device.type == "cpu" or auto_dtype(device) == trained_in
         dtype = trained_in if trained_in is not None and usable else auto_dtype(device)
@@ -1506,6 +1513,14 @@ def train(args: Args) -> dict:
     if holds_run(output_dir) and not resuming_here and not args.overwrite:
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
                         "to continue it, or another --output-dir")
+    if args.lora_r > 0 and os.path.isdir(args.model):
+        # the saved adapter names its base model by this path; under --output-dir, its final/ and checkpoints are
+        # what this run deletes and replaces (--overwrite, --keep-checkpoints, a resume from an earlier checkpoint)
+        inside = os.path.relpath(os.path.realpath(args.model), os.path.realpath(output_dir)).split(os.sep)[0]
+        if inside == "final" or re.fullmatch(r"checkpoint-\d+", inside):
+            raise UserError(f"--model {args.model} lies among the files of --output-dir {output_dir}, which this run "
+                            "deletes or replaces, while the LoRA adapter it saves names that model as its base: copy "
+                            "the model elsewhere first, or pick another --output-dir")
     seed_everything(args.seed)  # the same on every rank: identical initial weights and head
 
     # ---- data rows, checked before any model is loaded (a bad line fails fast)
@@ -1836,9 +1851,6 @@ def train(args: Args) -> dict:
                 print0(f"warning: non-finite loss or gradient at step {step + 1}; update skipped "
                        f"({bad_steps_in_a_row} in a row, --max-bad-steps {args.max_bad_steps})", file=sys.stderr,
                        enabled=is_main)
-                if bad_steps_in_a_row >= args.max_bad_steps:
-                    raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
-                                    "lower --learning-rate or check the labels")
             learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step's update used (logged below)
             with warnings.catch_warnings():  # a skipped first update is meant: the schedule counts steps, not updates
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
@@ -1860,6 +1872,9 @@ def train(args: Args) -> dict:
                 eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
                 metrics.update(eval_metrics)
             logger.log(step + 1, metrics)
+            if bad_steps_in_a_row >= args.max_bad_steps:  # (after its row: metrics.jsonl shows the last one too)
+                raise UserError(f"{bad_steps_in_a_row} updates in a row had a non-finite loss or gradient; "
+                                "lower --learning-rate or check the labels")
             # a signal stops every process after the same step (torchrun forwards it to all, not at the same moment)
             stop = torch.tensor([float(len(stop_signal))], device=device)
             if distributed:

@@ -169,6 +169,28 @@ def test_a_lora_adapter_of_a_local_model_names_its_base_by_its_absolute_path(tmp
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_a_lora_base_among_the_files_the_run_replaces_is_refused(script, tmp_path, capsys):
+    """--model run/final --lora-r 4 --output-dir run --overwrite: the run deletes final/, and its adapter names
+    that directory as its base, so the PRM or policy it saves could never be loaded. Refused before anything is
+    touched; a full fine-tuning run (nothing names its starting point) and another output directory are fine."""
+    import prm
+    from conftest import run_script_main
+
+    module = grpo if script == "grpo" else prm
+    flags = ([*QUICK, "--total-steps", "1", "--num-eval-prompts", "0"] if script == "grpo" else
+             ["--total-steps", "1", "--batch-size", "4", "--num-val-rows", "0", "--num-eval-rows", "0"])
+    run = tmp_path / "run"
+    main = lambda *more: run_script_main(module.main, f"{script}.py", [*flags, *more], capsys)  # noqa: E731
+    assert main("--output-dir", str(run), "--save-every", "1")[0] == 0
+    for base in (run / "final", run / "checkpoint-1"):
+        code, err = main("--output-dir", str(run), "--overwrite", "--model", str(base), "--lora-r", "4")
+        assert code == 2 and f"--model {base} lies among the files of --output-dir {run}" in err, err
+    assert (run / "final").is_dir() and (run / "checkpoint-1").is_dir()
+    assert main("--output-dir", str(tmp_path / "other"), "--model", str(run / "final"), "--lora-r", "4")[0] == 0
+    assert main("--output-dir", str(run), "--overwrite", "--model", str(run / "final"))[0] == 0
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
 def test_a_run_resumes_with_its_data_file_given_by_another_path(script, tmp_path, capsys):
     """What a resume checks is the rows' content, not the path they were read from (a relative path refused a
     resume from another directory); other rows are still refused."""
@@ -432,7 +454,9 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, capsys, monkeypatch)
     code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "10", "--max-bad-steps", "3"], capsys)
     assert code == 2 and "3 updates in a row had a non-finite loss" in err
     assert err.count("update skipped") == 3
-    assert len(read_metrics(out)) == 2  # steps 1 and 2 were logged (skipped), step 3 stopped the run
+    metrics = read_metrics(out)  # steps 1 and 2 skipped their updates, step 3 stopped the run after its row
+    assert [row["step"] for row in metrics] == [1, 2, 3] and metrics[-1]["loss"] is None
+    assert not (out / "final").exists()
     assert signal.getsignal(signal.SIGINT) is handler_before  # an error puts the handlers back too
 
 

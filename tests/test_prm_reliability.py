@@ -395,6 +395,11 @@ def test_a_saved_prm_given_as_model_keeps_its_trained_head(tmp_path, capsys):
     assert trained["eval_auroc_end"] != pytest.approx(trained["eval_auroc_start"], abs=0.05)  # it did learn
     for key in ("eval_auroc", "eval_step_accuracy", "eval_first_error_f1"):
         assert continued[f"{key}_start"] == pytest.approx(trained[f"{key}_end"], abs=1e-6), key
+    for flags, named in ((["--loss-kind", "mse"], "--loss-kind 'bce'"),
+                         (["--step-separator", " ки"], "--step-separator '\\n'")):
+        code, err = run_main(["--output-dir", str(tmp_path / "third"), *QUICK, "--model", str(first / "final"),
+                              *flags], capsys)
+        assert code == 2 and f"is a PRM trained with {named}, which its head was trained for" in err, err
     lora = tmp_path / "lora"
     code, err = run_main(["--output-dir", str(lora), *QUICK, "--total-steps", "1", "--lora-r", "4"], capsys)
     assert code == 0, err
@@ -508,7 +513,8 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, capsys, monkeypatch)
     assert code == 2 and "3 updates in a row had a non-finite loss or gradient" in err
     assert err.count("update skipped") == 3 and err.strip().splitlines()[-1].startswith("error: ")
     metrics = read_metrics(out)
-    assert [row["skipped_updates"] for row in metrics] == [1, 2]  # steps 1 and 2 logged, step 3 stopped the run
+    assert [row["skipped_updates"] for row in metrics] == [1, 2, 3]  # step 3, which stopped the run, logged too
+    assert metrics[-1]["step"] == 3 and metrics[-1]["loss"] is None
     assert not (out / "final").exists()
 
 
