@@ -55,9 +55,11 @@ class RunLogger:
         run_name: str = "run",
         enabled: bool = True,
         append: bool = False,
+        wandb_id: str | None = None,
     ):
         """console_keys maps a metric name to the short label printed for it on the console line.
-        append=True keeps an existing metrics.jsonl (used when resuming)."""
+        append=True keeps an existing metrics.jsonl (used when resuming); wandb_id: the wandb run to continue (a
+        resumed run's, which its checkpoint records), else a new one."""
         self.enabled = enabled
         self.console_keys = console_keys
         self.metrics_file = None
@@ -68,7 +70,12 @@ class RunLogger:
             os.makedirs(run_dir, exist_ok=True)
             self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")
         if track:
-            self.wandb_run = _start_wandb(config, wandb_project, wandb_entity, wandb_group, run_name)
+            self.wandb_run = _start_wandb(config, wandb_project, wandb_entity, wandb_group, run_name, wandb_id)
+
+    @property
+    def wandb_id(self) -> str | None:
+        """The wandb run's id (None without one): saved with each checkpoint, so that a resume logs into that run."""
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, step: int, metrics: dict, prefix: str = "step") -> None:
         if not self.enabled:
@@ -93,9 +100,11 @@ class RunLogger:
         print0("=" * 20 + " summary " + "=" * 20)
         for key, value in summary.items():
             print0(f"{key:<{width}}  {_format_value(value)}")
-        if run_dir is not None:
-            with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        if run_dir is not None:  # atomically: a resume takes a summary.json as the mark of a finished run
+            path = os.path.join(run_dir, "summary.json")
+            with open(path + ".tmp", "w") as f:
                 json.dump(_finite_or_null(summary), f, indent=2, allow_nan=False)
+            os.replace(path + ".tmp", path)
         if self.wandb_run is not None:
             self.wandb_run.summary.update(summary)
 
@@ -127,17 +136,23 @@ def _finite_or_null(value):
     return value
 
 
-def _start_wandb(config: dict, project: str, entity: str | None, group: str | None, run_name: str):
-    """Start a wandb run, or warn and carry on without one: tracking must never cost a training run."""
+def _start_wandb(config: dict, project: str, entity: str | None, group: str | None, run_name: str,
+                 run_id: str | None = None):
+    """Start a wandb run, or continue run_id's, or warn and carry on without one: tracking must never cost a
+    training run."""
     try:
         import wandb
     except ImportError:
         print0("WARNING: --track given but wandb is not installed (pip install wandb); continuing without it.",
                file=sys.stderr)
         return None
-    # A random group name keeps the processes and re-launches of one experiment together in the UI.
+    # without --wandb-group a run is a group of its own; a random suffix keeps two launches in one second apart
     group = group or f"{run_name}-{secrets.token_hex(3)}"
     try:
+        if run_id is not None:  # a resume: the same run, its name and group, its curves continued from the checkpoint
+            run = wandb.init(project=project, entity=entity, id=run_id, resume="allow", save_code=True)
+            run.config.update(config, allow_val_change=True)  # the flags this launch runs with (--total-steps ...)
+            return run
         return wandb.init(project=project, entity=entity, group=group, name=run_name, config=config,
                           save_code=True)
     except Exception as error:  # network, auth or config errors: wandb raises many kinds

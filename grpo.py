@@ -1642,9 +1642,11 @@ def train(args: Args) -> dict:
     start_step = 0
     bad_steps_in_a_row = skipped_updates = 0
     saved_eval_start = saved_eval_last = None
+    resumed_wandb_id = None  # with --track, a resume logs into the checkpoint's wandb run
     if resume_path:
         # (on the CPU first: the optimiser's load puts each state beside its parameter, on this process's device)
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        resumed_wandb_id = state.get("wandb_id")
         if state.get("dtype", str(dtype)) != str(dtype):  # (bf16 `auto` on a GPU, float32 on a CPU)
             raise UserError(f"--resume-from {resume_path}: the checkpoint's run computed in {state['dtype']}, this "
                             f"one in {dtype}: pass the same --dtype")
@@ -1746,7 +1748,7 @@ def train(args: Args) -> dict:
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
                        wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
                        wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main,
-                       append=resume_path is not None)
+                       append=resume_path is not None, wandb_id=resumed_wandb_id)
     n_params = sum(p.numel() for p in model.parameters())
     body_weights, head_weights = weight_counts(model)
     print0(f"model {args.model}: {n_params:,} parameters ({sum(p.numel() for p in trainable):,} trained), "
@@ -1763,6 +1765,7 @@ def train(args: Args) -> dict:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(), "dtype": str(dtype),
+                "wandb_id": logger.wandb_id,
                 "data": fingerprint, "eval_rows": eval_fingerprint, "eval_start": eval_accuracy_start,
                 "eval_last": eval_accuracy if evaluated else None,
                 "master": [m.detach().cpu() for _, m in mastered]},

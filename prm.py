@@ -1628,8 +1628,10 @@ def train(args: Args) -> dict:
     start_step = 0
     bad_steps_in_a_row = skipped_updates = 0
     saved_eval = None
+    resumed_wandb_id = None  # with --track, a resume logs into the checkpoint's wandb run
     if resume_path:
         state = load_trainer_state(resume_path)
+        resumed_wandb_id = state.get("wandb_id")
         if state.get("data_fingerprint") != fingerprint:
             cause = ("same --data-path and --num-val-rows, and an --eval-data-path (which validation rows are held out "
                      "for) or none, but the file changed?" if args.data_path else
@@ -1730,7 +1732,7 @@ def train(args: Args) -> dict:
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
                        wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
                        wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main,
-                       append=resume_path is not None)
+                       append=resume_path is not None, wandb_id=resumed_wandb_id)
     n_params = sum(p.numel() for p in prm.parameters())
     n_trainable = sum(p.numel() for p in trainable)
     print0(f"model {args.model}: {n_params:,} parameters ({n_trainable:,} trained), {dtype}, {device}; "
@@ -1776,6 +1778,7 @@ def train(args: Args) -> dict:
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "master": [m.detach().cpu() for _, m in mastered],
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_states,
+                "wandb_id": logger.wandb_id,
                 "eval_start": eval_start, "eval_last": eval_metrics, "data_fingerprint": fingerprint,
                 "eval_rows": eval_fingerprint,
                 "dtype": str(dtype).removeprefix("torch."),  # checked on resume: the masters exist only for bf16

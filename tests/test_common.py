@@ -3,6 +3,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from common import RunLogger
@@ -31,3 +32,25 @@ def test_non_finite_values_are_written_as_null_and_shown_as_nan(tmp_path, capsys
     console = capsys.readouterr().out
     assert "step 1 | loss nan | kl inf" in console and "step 2 | loss 0.2500 | kl 0.0000" in console
     assert "mfu" in console and "nan" in console.split("mfu", 1)[1].splitlines()[0]
+
+
+def test_a_summary_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A resume takes summary.json as the mark of a finished run: a write cut short must not leave a partial one
+    under that name (the old one, or none, stays), nor a temporary file that a later summary cannot replace."""
+    logger = RunLogger(str(tmp_path), {}, console_keys={})
+    logger.summary({"steps": 1}, str(tmp_path))
+    real_dump = json.dump
+
+    def dump_then_fail(value, f, **kwargs):
+        f.write('{"steps": ')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(json, "dump", dump_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        logger.summary({"steps": 2}, str(tmp_path))
+    monkeypatch.setattr(json, "dump", real_dump)
+    assert strict_json((tmp_path / "summary.json").read_text()) == {"steps": 1}
+    logger.summary({"steps": 3}, str(tmp_path))
+    logger.close()
+    assert strict_json((tmp_path / "summary.json").read_text()) == {"steps": 3}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl", "summary.json"]
