@@ -1812,12 +1812,17 @@ def train(args: Args) -> dict:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    # SIGINT/SIGTERM only raise a flag; the loop checks it after each step, checkpoints and stops
+    # SIGINT/SIGTERM only raise a flag; the loop checks it after each step, checkpoints and stops. A second one goes
+    # to the handler there was before (a second Ctrl-C stops at once, without a checkpoint: a step can take minutes)
     stop_signal = []
     # the command a stopped run's resume hint names
     rerun = f"{'torchrun <its flags>' if distributed else 'python'} grpo.py <the same flags> --output-dir {output_dir}"
-    previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
-                         for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop_after_this_step(sig, frame):
+        stop_signal.append(sig)
+        signal.signal(sig, previous_handlers[sig])  # a second one acts at once (Ctrl-C twice: KeyboardInterrupt)
+
+    previous_handlers = {sig: signal.signal(sig, stop_after_this_step) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:  # whatever ends the loop, the previous handlers come back
         for step in range(start_step, args.total_steps):
             step_start = sync_clock()
@@ -1841,11 +1846,11 @@ def train(args: Args) -> dict:
 
             # 2. rewards, on the text up to EOS; other special tokens stay in it, so that a policy cannot hide junk in
             # tokens that decoding would drop
-            completions = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
+            completion_texts = decode_completions(tokenizer, completion_ids, completion_mask, eos_ids)
             answers = [r["answer"] for r in rows for _ in range(args.group_size)]
             prompt_texts = [r["prompt"] for r in rows for _ in range(args.group_size)]
             rewards, rewards_per_fn = compute_rewards(
-                prompt_texts, completions, answers, reward_fns, args.reward_errors,
+                prompt_texts, completion_texts, answers, reward_fns, args.reward_errors,
                 sample_indices=[i * args.group_size + k for i in prompt_indices for k in range(args.group_size)])
             t_rewarded = sync_clock()
             timings["reward"].append(t_rewarded - t_generated)
@@ -2036,8 +2041,12 @@ def train(args: Args) -> dict:
             # weighted loss statistics with their token count; each reward's sum and count of scored (not NaN)
             # completions, and the sum of squares for the std; log-prob gaps
             gap = (old_logp - sampler_logp).abs() * completion_mask  # [B, T]
+            # accuracy: the answer reward, taken for the log when it is not in the reward (--answer-reward-weight 0,
+            # training on a PRM alone)
+            accuracy = rewards_per_fn["answer"] if "answer" in rewards_per_fn else torch.tensor(
+                [answer_reward(completion, answer) for completion, answer in zip(completion_texts, answers)])
             per_completion = {"reward": rewards, **{f"reward_{name}": v for name, v in rewards_per_fn.items()},
-                              "accuracy": rewards_per_fn.get("answer", torch.full_like(rewards, float("nan")))}
+                              "accuracy": accuracy}
             sums = {key: value.item() for key, value in stat_sums.items()}
             for name, values in per_completion.items():
                 sums[f"{name}/sum"], sums[f"{name}/count"] = values.nansum().item(), float((~values.isnan()).sum())

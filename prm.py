@@ -1789,12 +1789,17 @@ def train(args: Args) -> dict:
                 remove_directory(os.path.join(output_dir, f"checkpoint-{old_step}"))
         return path
 
-    # a signal only sets a flag: the current step finishes, then every process stops after the same step
+    # a signal only sets a flag: the current step finishes, then every process stops after the same step. A second
+    # one goes to the handler there was before (a second Ctrl-C stops at once, without a checkpoint)
     stop_signal = []
     # the command a stopped run's resume hint names
     rerun = f"{'torchrun <its flags>' if distributed else 'python'} prm.py <the same flags> --output-dir {output_dir}"
-    previous_handlers = {sig: signal.signal(sig, lambda s, f: stop_signal.append(s))
-                         for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop_after_this_step(sig, frame):
+        stop_signal.append(sig)
+        signal.signal(sig, previous_handlers[sig])  # a second one acts at once (Ctrl-C twice: KeyboardInterrupt)
+
+    previous_handlers = {sig: signal.signal(sig, stop_after_this_step) for sig in (signal.SIGINT, signal.SIGTERM)}
     interrupted = False
     try:
         for step in range(start_step, args.total_steps):

@@ -464,6 +464,40 @@ def comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
 
 
+@pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_a_second_stop_signal_stops_at_once(script, tmp_path, capsys, monkeypatch):
+    """The first Ctrl-C asks for a checkpoint after the step; a second one, in the same step, goes to the handler
+    there was before (Python's: KeyboardInterrupt) instead of being swallowed until a step of minutes ends."""
+    import prm
+    from conftest import run_script_main
+
+    module = grpo if script == "grpo" else prm
+    hooked, real = ("generate", grpo.generate) if script == "grpo" else ("collate", prm.collate)
+    signals_sent = []
+
+    def then_two_signals(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if not signals_sent:
+            for _ in range(2):
+                signals_sent.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(module, hooked, then_two_signals)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (SIG_IGN in a shell's background job)
+    sigterm_before = signal.getsignal(signal.SIGTERM)
+    try:
+        flags = ([*QUICK, "--num-eval-prompts", "0"] if script == "grpo" else
+                 ["--batch-size", "4", "--num-val-rows", "0", "--num-eval-rows", "0", "--total-steps", "3"])
+        with pytest.raises(KeyboardInterrupt):
+            run_script_main(module.main, f"{script}.py", ["--output-dir", str(tmp_path / "run"), *flags], capsys)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is sigterm_before and len(signals_sent) == 2  # both put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "final").exists()
+
+
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
     flags = [*QUICK, "--total-steps", "12", "--kl-coef", "0.05", "--num-iterations", "2"]
     straight = tmp_path / "straight"

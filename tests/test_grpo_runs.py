@@ -380,11 +380,12 @@ def test_prm_reward_from_a_trained_prm(tmp_path, capsys):
         assert 0.0 <= row["reward_prm"] <= 1.0  # a product of step probabilities
         assert row["reward"] == pytest.approx(row["reward_prm"])  # the PRM alone is the reward
         assert "reward_answer" not in row
+        assert 0.0 <= row["accuracy"] <= 1.0  # the answer reward, still logged though not in the reward
     both = tmp_path / "both"
     run_grpo(both, *QUICK, "--prm-path", str(prm_dir / "final"), "--prm-weight", "0.5")
     for row in read_metrics(both):
         expected = row["reward_answer"] + 0.1 * row["reward_format"] + 0.5 * row["reward_prm"]
-        assert row["reward"] == pytest.approx(expected, abs=1e-5)
+        assert row["reward"] == pytest.approx(expected, abs=1e-5) and row["accuracy"] == row["reward_answer"]
 
     # an empty completion has no step: 0.0, not the score of one made-up empty step (which the PRM may like)
     args = grpo.Args(prm_path=str(prm_dir / "final"), answer_reward_weight=0, format_reward_weight=0)
