@@ -433,7 +433,7 @@ def test_skip_bad_rows_skips_and_counts_every_kind(tmp_path, capsys, monkeypatch
     assert code == 0, err
     assert all(f"rows.jsonl:{line}:" in err for line in range(11, 16))  # the first five are named
     assert "skipped 6 invalid rows" in err
-    assert read_summary(out)["skipped_rows"] == 6 and read_summary(out)["train_rows"] == 27
+    assert read_summary(out)["skipped_rows"] == 6 and read_summary(out)["train_rows"] == 30  # (no eval: no validation)
     # under torchrun every process reads the file: the warnings are printed once, by rank 0
     monkeypatch.setenv("RANK", "1")
     assert prm.load_jsonl_rows(data, skip_bad_rows=True)[1] == 6 and capsys.readouterr().err == ""
