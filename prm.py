@@ -130,7 +130,8 @@ class Args:
     total_steps: int = 500
     """number of optimiser steps (ignored when --epochs is given)"""
     epochs: Optional[float] = None
-    """train for this many passes over the training rows instead of --total-steps"""
+    """train for this many passes over the training rows instead of --total-steps (rounded up to whole steps: the
+    last step fills up with rows of the next pass's shuffle)"""
     batch_size: int = 32
     """rows per optimiser step, over all processes"""
     micro_batch_size: int = 0
@@ -1617,7 +1618,7 @@ def train(args: Args) -> dict:
     # copies and writes them back (LoRA adapters and the head are already fp32)
     master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in trainable]
     mastered = [(p, m) for p, m in zip(trainable, master) if m is not p]  # (bf16 weight, its fp32 copy)
-    # fused: one kernel for every parameter (4-5x faster than the per-tensor loop torch picks on CPU)
+    # fused: one kernel per group (4-5x faster than the per-tensor loop torch picks on CPU)
     optimizer = torch.optim.AdamW(decay_groups(master, args.weight_decay), lr=args.learning_rate, betas=args.adam_betas,
                                   eps=1e-8, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, args.total_steps))
