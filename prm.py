@@ -1755,7 +1755,7 @@ def train(args: Args) -> dict:
         eval_metrics = eval_start
         print0(f"eval at step {start_step}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_start.items())
                + f" (position-only baseline: auroc {baseline['eval_auroc']:.3f}, "
-               f"first_error_f1 {baseline['eval_first_error_f1']:.3f})", enabled=is_main)
+               f"first_error_f1 {baseline['eval_first_error_f1']:.3f})", enabled=is_main and bool(eval_examples))
         if eval_examples and resume_path is None:  # a row of its own, so that the logged eval curves start at step 0
             logger.log(0, eval_start)
     step_times, step_tokens, memory_samples = [], [], []
@@ -1877,7 +1877,8 @@ def train(args: Args) -> dict:
                        "learning_rate": learning_rate, "labelled_steps": total_labelled,
                        "skipped_updates": skipped_updates, "step_time_s": step_time,
                        "memory_mb": memory_samples[-1]}
-            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and evaluates:
+            if (args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and evaluates
+                    and eval_examples):  # (without held-out rows every figure would be NaN)
                 eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
                 metrics.update(eval_metrics)
             logger.log(step + 1, metrics)
@@ -1926,7 +1927,7 @@ def train(args: Args) -> dict:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
         last_step = start_step + len(step_times)
         print0(f"eval at step {last_step}: " + " | ".join(f"{k[5:]} {v:.3f}" for k, v in eval_metrics.items()),
-               enabled=is_main)
+               enabled=is_main and bool(eval_examples))
         if eval_examples:  # a second row for the last step (its training row is logged before the final save)
             logger.log(last_step, eval_metrics)
         scores = score_examples(prm, examples_to_score, args.eval_batch_size) if score_rows else None

@@ -379,6 +379,18 @@ def test_a_backbone_that_is_not_causal_is_refused(tmp_path, capsys):
         assert not (out / "final").exists()
 
 
+def test_a_run_without_held_out_rows_prints_and_logs_no_evaluation(tmp_path, capsys):
+    """--data-path without --eval-data-path holds nothing to evaluate: no 'eval at step ... nan' lines, and no
+    columns of null eval figures in metrics.jsonl; the summary keeps its keys, as null."""
+    out = tmp_path / "run"
+    code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path),
+                                  "--total-steps", "4", "--eval-every", "2"], capsys, with_stdout=True)
+    assert code == 0, err
+    assert "eval at step" not in stdout and "step 4 |" in stdout
+    assert [sorted(key for key in row if key.startswith("eval_")) for row in read_metrics(out)] == [[]] * 4
+    assert read_summary(out)["eval_auroc_end"] is None  # NaN, written as null
+
+
 def test_a_saved_prm_given_as_model_keeps_its_trained_head(tmp_path, capsys):
     """--model final/ of a full fine-tuning run is a model directory: training goes on from its head too, so with a
     zero learning rate the new run starts where the saved one ended (a new random head started from chance). A LoRA
