@@ -1812,15 +1812,17 @@ def train(args: Args) -> dict:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    # SIGINT/SIGTERM only raise a flag; the loop checks it after each step, checkpoints and stops. A second one goes
-    # to the handler there was before (a second Ctrl-C stops at once, without a checkpoint: a step can take minutes)
+    # SIGINT/SIGTERM only raise a flag; the loop checks it after each step, checkpoints and stops. A second SIGINT
+    # goes to the handler there was before (a second Ctrl-C stops at once, without a checkpoint: a step can take
+    # minutes)
     stop_signal = []
     # the command a stopped run's resume hint names
     rerun = f"{'torchrun <its flags>' if distributed else 'python'} grpo.py <the same flags> --output-dir {output_dir}"
 
     def stop_after_this_step(sig, frame):
         stop_signal.append(sig)
-        signal.signal(sig, previous_handlers[sig])  # a second one acts at once (Ctrl-C twice: KeyboardInterrupt)
+        if sig == signal.SIGINT:  # a second Ctrl-C acts at once (KeyboardInterrupt); not a second SIGTERM, which a
+            signal.signal(sig, previous_handlers[sig])  # scheduler's preemption may send twice (Slurm, torchrun)
 
     previous_handlers = {sig: signal.signal(sig, stop_after_this_step) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:  # whatever ends the loop, the previous handlers come back

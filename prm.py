@@ -1791,14 +1791,15 @@ def train(args: Args) -> dict:
         return path
 
     # a signal only sets a flag: the current step finishes, then every process stops after the same step. A second
-    # one goes to the handler there was before (a second Ctrl-C stops at once, without a checkpoint)
+    # SIGINT goes to the handler there was before (a second Ctrl-C stops at once, without a checkpoint)
     stop_signal = []
     # the command a stopped run's resume hint names
     rerun = f"{'torchrun <its flags>' if distributed else 'python'} prm.py <the same flags> --output-dir {output_dir}"
 
     def stop_after_this_step(sig, frame):
         stop_signal.append(sig)
-        signal.signal(sig, previous_handlers[sig])  # a second one acts at once (Ctrl-C twice: KeyboardInterrupt)
+        if sig == signal.SIGINT:  # a second Ctrl-C acts at once (KeyboardInterrupt); not a second SIGTERM, which a
+            signal.signal(sig, previous_handlers[sig])  # scheduler's preemption may send twice (Slurm, torchrun)
 
     previous_handlers = {sig: signal.signal(sig, stop_after_this_step) for sig in (signal.SIGINT, signal.SIGTERM)}
     interrupted = False

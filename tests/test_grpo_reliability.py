@@ -467,7 +467,8 @@ def comparable(rows: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("script", ["grpo", "prm"])
 def test_a_second_stop_signal_stops_at_once(script, tmp_path, capsys, monkeypatch):
     """The first Ctrl-C asks for a checkpoint after the step; a second one, in the same step, goes to the handler
-    there was before (Python's: KeyboardInterrupt) instead of being swallowed until a step of minutes ends."""
+    there was before (Python's: KeyboardInterrupt) instead of being swallowed until a step of minutes ends. Not so a
+    second SIGTERM (a preemption may deliver two): the run still checkpoints."""
     import prm
     from conftest import run_script_main
 
@@ -496,6 +497,20 @@ def test_a_second_stop_signal_stops_at_once(script, tmp_path, capsys, monkeypatc
     finally:
         signal.signal(signal.SIGINT, previous)
     assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "final").exists()
+
+    def then_two_sigterms(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if len(signals_sent) == 2:
+            for _ in range(2):
+                signals_sent.append(1)
+                os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(module, hooked, then_two_sigterms)
+    code, err = run_script_main(module.main, f"{script}.py", ["--output-dir", str(tmp_path / "term"), *flags], capsys)
+    assert code == 0 and len(signals_sent) == 4 and [p.name for p in (tmp_path / "term").glob("checkpoint-*")] == [
+        "checkpoint-1"], err
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before
 
 
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
