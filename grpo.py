@@ -494,9 +494,10 @@ _BRACELESS_FRACTION = re.compile(r"\\([dt]?frac)\s*(\d)\s*(\d)")
 # and percent signs (the answer 18 is stated by $18 or 18%)
 _NUMBER_SPELLINGS = (("{,}", ","), (",\\!", ","), ("\u2212", "-"), ("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""))
 # a unit that ends a number's statement (\boxed{18\text{ cm}}, 90^\circ, 90°), as the MATH answer normaliser drops
-# it; not one followed by more (5\text{ and }7, 18\text{ cm}^2), which is more than a number
-_LATEX_UNIT = re.compile(r"(?<=\d)\s*(?:\\[,;: ]\s*)*(?:\\(?:text|mbox|mathrm)\{[^{}]*\}|\^\s*\{?\\circ\}?|°)"
-                         r"(?![ \t]*[\w\\^{])")
+# it: one word in \text{} or \mbox{}, not a scale (5\text{ million}) nor more words (2\text{ and a half}, 1\text{ (mod
+# 7)}), and not followed by more (5\text{ and }7, 18\text{ cm}^2); \mathrm{} is left alone (3\mathrm{i} is a value)
+_LATEX_UNIT = re.compile(r"(?<=\d)\s*(?:\\[,;: ]\s*)*(?:\\(?:text|mbox)\{\s*(?!(?:hundred|thousand|[mbtr]illion)s?\b)"
+                         r"[A-Za-z]+\.?\s*\}|\^\s*\{?\\circ\}?|°)(?![ \t]*[\w\\^{])")
 
 
 def normalise_math(text: str) -> str:
@@ -573,7 +574,8 @@ def answer_reward(completion: str, answer: str) -> float:
     (else as text, spaces aside: 2\\sqrt{3} is not the number 2; a completion with no `####`, \\boxed{} or number
     states its whole text). A reference with a `####` or a \\boxed{} is a worked solution (GSM8K's answer field
     ends in `#### 72`, a MATH solution boxes its answer): what it states is the answer."""
-    if "####" in answer or "\\boxed{" in answer:
+    marked = answer.rstrip().rsplit("\n", 1)[-1].split("####")  # (a number after a #### on its last line)
+    if "\\boxed{" in answer or (len(marked) > 1 and _NUMBER.search(normalise_math(marked[-1]))):
         answer = final_answer(answer) or answer
     stated = final_answer(completion)
     if stated is None:
@@ -592,7 +594,7 @@ def format_reward(completion: str, answer: str) -> float:
     zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}, a closing
     `$`, `\\)`, `\\]` or full stop aside (`$\\boxed{5}$.`)."""
     text = completion.strip()
-    ending = re.sub(r"(?:\s|\$|\\\)|\\\]|\.)+$", "", text)  # the statement, closing marks aside
+    ending = re.sub(r"\s*(?:\$\$?|\\\)|\\\])?\s*\.?$", "", text)  # the statement, one closing mark and full stop aside
     boxed = last_boxed(ending)
     boxed_last = boxed is not None and boxed[1] == len(ending) and boxed[0].strip() != ""
     marked = re.search(r"####\s*(\S+)$", ending)  # a number, nothing else: not "#### 5,,," nor "#### 1.2.3"

@@ -1504,10 +1504,17 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("\\boxed{5\\text{ and }7}", "5", 0.0), ("\\boxed{2\\text{ and }x}", "2x", 0.0),
     ("\\boxed{18\\text{ cm}^2}", "18", 0.0), ("\\boxed{18\\text{ cm}^2}", "18^2", 0.0),
     ("\\boxed{\\text{(A)}}", "\\text{(A)}", 1.0),
+    # only one word is a unit: not a value (\\mathrm{i}), a scale, several words or a congruence
+    ("\\boxed{3\\mathrm{i}}", "3", 0.0), ("\\boxed{2\\mathrm{e}}", "2", 0.0), ("\\boxed{5\\text{ million}}", "5", 0.0),
+    ("\\boxed{2\\text{ and a half}}", "2", 0.0), ("\\boxed{1\\text{ (mod 7)}}", "1", 0.0),
+    ("\\boxed{5\\text{ dollars.}}", "5", 1.0),
     # a reference that is a worked solution states its answer as a completion does (GSM8K's answer field, MATH's)
     ("#### 72", GSM8K_ANSWER, 1.0), ("\\boxed{72}", GSM8K_ANSWER, 1.0), ("72", GSM8K_ANSWER, 1.0),
     ("#### 71", GSM8K_ANSWER, 0.0), ("#### 24", GSM8K_ANSWER, 0.0), ("\\boxed{5}", "\\boxed{5}", 1.0),
     ("\\boxed{0.5}", "so it is $\\boxed{\\frac{1}{2}}$.", 1.0), ("\\boxed{x^2}", "\\boxed{x^2}", 1.0),
+    # a #### stating no number, or not on the last line, makes no worked solution: the text is the reference
+    ("3", "3 #### is the answer", 0.0), ("is the answer", "3 #### is the answer", 0.0),
+    ("72", "She had 48.\n#### 72\nNote: 5", 0.0), ("5", "She had 48.\n#### 72\nNote: 5", 0.0),
     # \\frac12: one-digit parts without braces
     ("\\boxed{\\frac12}", "1/2", 1.0), ("\\boxed{\\dfrac 3 4}", "0.75", 1.0), ("\\boxed{\\frac12}", "12", 0.0),
 ])
@@ -1555,6 +1562,9 @@ def test_final_answer_reads_fractions_and_unclosed_boxes():
     # closing marks after the statement: math mode, a full stop (a bare number stays strict)
     ("so $\\boxed{5}$.", 1.0), ("so \\(\\boxed{5}\\)", 1.0), ("\\[\\boxed{5}\\]", 1.0), ("#### 5.", 1.0),
     ("5.", 0.0), ("\\boxed{3} more.", 0.0), ("#### 1.2.3.", 0.0), ("so $.", 0.0),
+    # one closing mark and one full stop: not a junk tail of them
+    ("#### 5$$$$$$$$", 0.0), ("\\boxed{5}.........\\]\\]\\)$", 0.0), ("#### 5 . . . . $ $", 0.0),
+    ("$$\\boxed{5}$$", 1.0),
 ])
 def test_format_reward(completion, expected):
     assert format_reward(completion, "") == expected
