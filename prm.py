@@ -1342,6 +1342,21 @@ def decay_groups(params: list, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
+def regroup_optimizer_state(saved: dict, optimizer, params: list) -> dict:
+    """An optimiser state saved with every parameter in one group (by this script before decay_groups), laid out in
+    this optimiser's groups with each parameter's moments moved along: an earlier checkpoint still resumes. params:
+    the parameters in the order that one group held them. Any other state is returned as it is."""
+    if len(saved["param_groups"]) != 1 or len(optimizer.param_groups) == 1 or len(
+            saved["param_groups"][0]["params"]) != len(params):
+        return saved
+    number = {id(p): k for k, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    renumbered = [number[id(p)] for p in params]  # the one group's index -> this optimiser's
+    (saved_group,) = saved["param_groups"]
+    groups = [{**saved_group, "decay": group["decay"], "params": [number[id(p)] for p in group["params"]]}
+              for group in optimizer.param_groups]  # (the saved settings: the flags are applied after the load)
+    return {"state": {renumbered[i]: value for i, value in saved["state"].items()}, "param_groups": groups}
+
+
 def lr_lambda(args: Args, total_updates: int):
     def factor(update: int) -> float:
         if update < args.warmup_steps:
@@ -1650,7 +1665,7 @@ def train(args: Args) -> dict:
                 set_optimizer_state_dict(prm, optimizer, state["optimizer"],
                                          options=StateDictOptions(full_state_dict=True))
             elif not args.fsdp:
-                optimizer.load_state_dict(state["optimizer"])
+                optimizer.load_state_dict(regroup_optimizer_state(state["optimizer"], optimizer, master))
             scheduler.load_state_dict(state["scheduler"])
             for (_, m), saved in zip(mastered, state["master"], strict=True):  # the fp32 masters, not rounded weights
                 m.data.copy_(saved)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,6 +189,43 @@ def test_a_lora_base_among_the_files_the_run_replaces_is_refused(script, tmp_pat
     assert (run / "final").is_dir() and (run / "checkpoint-1").is_dir()
     assert main("--output-dir", str(tmp_path / "other"), "--model", str(run / "final"), "--lora-r", "4")[0] == 0
     assert main("--output-dir", str(run), "--overwrite", "--model", str(run / "final"))[0] == 0
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_a_checkpoint_with_one_optimiser_group_resumes_as_with_two(script, tmp_path, capsys):
+    """Checkpoints written before weight decay left vectors out hold one AdamW group, in the parameters' order:
+    such a state is laid out in the two groups, each parameter's moments with it, and the resumed run ends with
+    the same weights as one resumed from the two-group checkpoint (a load refused it: other number of groups)."""
+    import prm
+    from conftest import run_script_main
+    from safetensors.torch import load_file
+
+    module = grpo if script == "grpo" else prm
+    flags = ([*QUICK, "--num-eval-prompts", "0", "--learning-rate", "1e-2"] if script == "grpo" else
+             ["--batch-size", "4", "--num-val-rows", "0", "--num-eval-rows", "0", "--learning-rate", "1e-2"])
+    main = lambda out, *more: run_script_main(  # noqa: E731
+        module.main, f"{script}.py", ["--output-dir", str(out), *flags, "--weight-decay", "0.1", *more], capsys)
+    assert main(tmp_path / "run", "--total-steps", "1", "--save-every", "1")[0] == 0
+    model = (grpo.build_tiny_model(grpo.build_tiny_tokenizer()) if script == "grpo" else
+             prm.build_prm(prm.Args(), torch.float32)[0])
+    ndims = [p.ndim for p in model.parameters() if p.requires_grad]
+    two_groups = [i for i, n in enumerate(ndims) if n >= 2] + [i for i, n in enumerate(ndims) if n < 2]
+    for name in ("two", "one"):
+        shutil.copytree(tmp_path / "run" / "checkpoint-1", tmp_path / name / "checkpoint-1")
+    state_path = tmp_path / "one" / "checkpoint-1" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=False)
+    saved = state["optimizer"]
+    assert [len(group["params"]) for group in saved["param_groups"]] == [ndims.count(2), len(ndims) - ndims.count(2)]
+    state["optimizer"] = {"state": {two_groups[k]: value for k, value in saved["state"].items()},
+                          "param_groups": [{**saved["param_groups"][0], "params": list(range(len(ndims)))}]}
+    del state["optimizer"]["param_groups"][0]["decay"]
+    torch.save(state, state_path)
+    for name in ("two", "one"):
+        code, err = main(tmp_path / name, "--total-steps", "3", "--resume-from", "latest")
+        assert code == 0, err
+    weights = "model.safetensors"
+    two, one = (load_file(tmp_path / name / "final" / weights) for name in ("two", "one"))
+    assert two.keys() == one.keys() and all(torch.equal(two[key], one[key]) for key in two)
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])
