@@ -1736,6 +1736,11 @@ def train(args: Args) -> dict:
                 redoes_final_evaluation and row["step"] == start_step and "step_time_s" not in row)]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
+        # with --track the run goes on in its wandb run only from as far as it got; from an earlier checkpoint (a
+        # branch) or into another directory it is a wandb run of its own (wandb ignores rows at steps it holds)
+        reached = max([*checkpoint_steps(output_dir), final_step(output_dir) or 0]) if resuming_here else None
+        if reached is None or reached > start_step:
+            resumed_wandb_id = None
         if resuming_here:  # the branch after the checkpoint is gone: `--resume-from latest` must not pick up its
             # checkpoints, nor a resume after a last-step signal take its final model for this run's
             for later in (step for step in checkpoint_steps(output_dir) if step > start_step):

@@ -307,21 +307,21 @@ def test_saved_model_and_jsonl_with_chat_template(tmp_path):
 @pytest.mark.parametrize("script", ["grpo", "prm"])
 def test_track_with_wandb_offline_and_a_resume_continues_the_same_run(script, tmp_path):
     """The checkpoint records the wandb run's id: a resumed launch logs into that run (its curve continued, not
-    split over two unrelated runs)."""
+    split over two unrelated runs); a resume from an earlier checkpoint, a branch, is a wandb run of its own (wandb
+    would ignore its rows at the steps the first branch logged)."""
     flags = ([*QUICK, "--num-eval-prompts", "0"] if script == "grpo" else
              ["--batch-size", "4", "--num-val-rows", "0", "--num-eval-rows", "0", "--eval-every", "0"])
     out, env = tmp_path / "run", {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
                                   "OMP_NUM_THREADS": "1"}
-    for more in (["--total-steps", "2"], ["--total-steps", "3", "--resume-from", str(out / "checkpoint-1")]):
+    for more in (["--total-steps", "2"], ["--total-steps", "3", "--resume-from", "latest"],
+                 ["--total-steps", "3", "--resume-from", str(out / "checkpoint-2"), "--learning-rate", "1e-2"]):
         process = subprocess.run([sys.executable, f"{script}.py", "--output-dir", str(out), *flags, *more,
-                                  "--save-every", "1", "--track"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                 env=env, timeout=600)
+                                  "--save-every", "1", "--keep-checkpoints", "3", "--track"], cwd=REPO_ROOT,
+                                 capture_output=True, text=True, env=env, timeout=600)
         assert process.returncode == 0, process.stderr[-3000:]
-    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2, "wandb wrote no offline run, or one"
-    first_id = runs[0].name.rsplit("-", 1)[1]
-    assert runs[1].name.rsplit("-", 1)[1] == first_id
-    assert torch.load(out / "checkpoint-3" / "trainer_state.pt", weights_only=True)["wandb_id"] == first_id
+    ids = [run.name.rsplit("-", 1)[1] for run in sorted((tmp_path / "wandb").glob("offline-run-*"))]
+    assert len(ids) == 3 and ids[1] == ids[0] and ids[2] != ids[0], ids
+    assert torch.load(out / "checkpoint-3" / "trainer_state.pt", weights_only=True)["wandb_id"] == ids[2]
 
 
 def test_bfloat16_on_cpu(tmp_path):
