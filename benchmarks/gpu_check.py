@@ -408,6 +408,12 @@ def main() -> None:
     unknown = sorted(set(names) - set(RUN_NAMES))
     if unknown or not names or len(set(names)) < len(names):
         parser.error(f"--only: {args.only!r} (unknown: {unknown}); name each run once, of {', '.join(RUN_NAMES)}")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():  # else it would build the model, then fail each run in turn
+            parser.error(f"--device {args.device}: this torch ({torch.__version__}) sees no GPU; on a CPU, check the "
+                         "script with --size tiny --device cpu")
     # the --fsdp runs last, whatever the order given: a --deadline then cuts them, not the main figures
     names.sort(key=lambda name: name.endswith("-fsdp"))
     for sig in STOP_SIGNALS:

@@ -246,3 +246,16 @@ def test_the_report_is_on_disk_after_each_run(tmp_path):
     assert [r["name"] for r in rows] == ["prm", "grpo"] and rows[1]["error"] == "stopped by signal SIGTERM"
     assert "| grpo | stopped by signal SIGTERM |" in (out / "gpu_check.md").read_text()
     assert_no_process_left(str(tmp_path))
+
+
+def test_without_a_gpu_the_default_device_is_refused_before_any_work(tmp_path):
+    """--device cuda (the default) where torch sees no GPU: one line and exit 2, before the 0.5B model is built
+    (it used to build it, 943 MB, then fail each of the five runs in turn)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    process = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "out"), "--work-dir",
+                              str(tmp_path / "work")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert process.returncode == 2 and "--device cuda: this torch" in process.stderr and "sees no GPU" in process.stderr
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
