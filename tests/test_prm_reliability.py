@@ -826,7 +826,9 @@ def test_a_stop_signal_during_the_final_save_checkpoints_and_skips_the_final_eva
 
     monkeypatch.setattr(prm, "save_prm", save_receiving_sigterm)
     out = tmp_path / "out"
-    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2"]
+    eval_rows = write_rows(tmp_path / "eval.jsonl", builtin_rows(8))
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
+             "--eval-data-path", str(eval_rows)]
     code, stdout, err = run_main(flags, capsys, with_stdout=True)
     assert code == 0 and "stopped by a signal after saving the final model" in stdout, err
     assert "eval at step 2" not in stdout and not (out / "summary.json").exists()
