@@ -572,8 +572,9 @@ def final_answer(completion: str) -> Optional[str]:
 def answer_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer equals the reference as a number, both being nothing but a number
     (else as text, spaces aside: 2\\sqrt{3} is not the number 2; a completion with no `####`, \\boxed{} or number
-    states its whole text). A reference with a `####` or a \\boxed{} is a worked solution (GSM8K's answer field
-    ends in `#### 72`, a MATH solution boxes its answer): what it states is the answer."""
+    states its whole text). A reference with a \\boxed{}, or a number after a `####` on its last line, is a worked
+    solution (a MATH solution boxes its answer, GSM8K's answer field ends in `#### 72`): what it states is the
+    answer."""
     marked = answer.rstrip().rsplit("\n", 1)[-1].split("####")  # (a number after a #### on its last line)
     if "\\boxed{" in answer or (len(marked) > 1 and _NUMBER.search(normalise_math(marked[-1]))):
         answer = final_answer(answer) or answer
@@ -591,8 +592,8 @@ _CANONICAL_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
 
 def format_reward(completion: str, answer: str) -> float:
     """1.0 when the completion states its answer cleanly: nothing but a number written canonically (no leading
-    zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}, a closing
-    `$`, `\\)`, `\\]` or full stop aside (`$\\boxed{5}$.`)."""
+    zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}, one closing
+    `$`, `$$`, `\\)` or `\\]` and one full stop aside (`$\\boxed{5}$.`)."""
     text = completion.strip()
     ending = re.sub(r"\s*(?:\$\$?|\\\)|\\\])?\s*\.?$", "", text)  # the statement, one closing mark and full stop aside
     boxed = last_boxed(ending)
@@ -683,8 +684,9 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
         print0(f"note: the tokenizer of {name_or_path} has {problem}; using EOS ({tokenizer.eos_token!r}) to pad",
                enabled=os.environ.get("RANK", "0") == "0")  # one note per run, not one per torchrun process
         tokenizer.pad_token = tokenizer.eos_token
-    if rows > token_id_limit(tokenizer):
-        print0(f"note: {name_or_path} has {rows} token rows for its tokenizer's {token_id_limit(tokenizer)} ids; "
+    tokenizer_ids = token_id_limit(tokenizer)
+    if rows > tokenizer_ids:
+        print0(f"note: {name_or_path} has {rows} token rows for its tokenizer's {tokenizer_ids} ids; "
                "completions are sampled and scored over the tokenizer's ids only",
                enabled=os.environ.get("RANK", "0") == "0")
     return model, tokenizer

@@ -849,7 +849,8 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
     when an adapter will need one saved beside it (the random-init tiny model cannot be reloaded by name). A PRM
     that this script saved with full fine-tuning is a model directory too: training goes on from its head as well
     (a new head would throw away what it learnt)."""
-    saved_prm_config = os.path.join(args.model, "prm_config.json")
+    saved_prm_config, saved_prm = os.path.join(args.model, "prm_config.json"), None
+    head_path = os.path.join(args.model, "reward_head.safetensors")
     if os.path.isfile(saved_prm_config):
         with open(saved_prm_config) as f:
             saved_prm = json.load(f)
@@ -857,7 +858,7 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
             raise UserError(f"--model {args.model} is a PRM that prm.py trained with LoRA: an adapter, not a model to "
                             "start from; continue its run with --resume-from one of its checkpoints, or start from "
                             f"its base model ({saved_prm.get('base_model')})")
-        if not os.path.isfile(os.path.join(args.model, "reward_head.safetensors")):
+        if not os.path.isfile(head_path):
             raise UserError(f"--model {args.model} is an incomplete PRM: no reward_head.safetensors in it (a copy cut "
                             "short?); copy the whole directory that prm.py saved")
         # its head reads the hidden state at the end of each step's separator, as a logit (bce) or a score (mse)
@@ -880,10 +881,10 @@ def build_prm(args: Args, dtype: torch.dtype) -> tuple[ProcessRewardModel, Optio
               "loss_kind": args.loss_kind}
     prm = ProcessRewardModel(backbone, hidden_size, tokenizer, config)
     prm.dropout_rates = dropout_rates
-    if os.path.isfile(saved_prm_config):
+    if saved_prm is not None:
         from safetensors.torch import load_file
 
-        prm.head.load_state_dict(load_file(os.path.join(args.model, "reward_head.safetensors")))
+        prm.head.load_state_dict(load_file(head_path))
         print0(f"note: --model {args.model} is a PRM saved by prm.py: training starts from its reward head too",
                enabled=os.environ.get("RANK", "0") == "0")
     return prm, base_copy

@@ -192,6 +192,32 @@ def test_a_lora_base_among_the_files_the_run_replaces_is_refused(script, tmp_pat
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_weight_decay_applies_to_matrices_only_and_a_resume_sets_it_from_the_flag(script, tmp_path, capsys):
+    """Biases and norm gains are not decayed (as in transformers' Trainer): every 1-D tensor the optimiser steps is
+    in a group of weight decay 0, every matrix in one of --weight-decay; a resume with another --weight-decay
+    changes the matrices' group only."""
+    import prm
+    from conftest import run_script_main
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    module = grpo if script == "grpo" else prm
+    flags = ([*QUICK, "--num-eval-prompts", "0"] if script == "grpo" else
+             ["--batch-size", "4", "--num-val-rows", "0", "--num-eval-rows", "0", "--eval-every", "0"])
+    flags = ["--output-dir", str(tmp_path / "run"), *flags, "--save-every", "1"]
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: seen.append(
+        [(group["weight_decay"], {p.ndim >= 2 for p in group["params"]}) for group in optimizer.param_groups]))
+    try:
+        for more in (["--total-steps", "1", "--weight-decay", "0.5"],
+                     ["--total-steps", "2", "--weight-decay", "0.2", "--resume-from", "latest"]):
+            code, err = run_script_main(module.main, f"{script}.py", [*flags, *more], capsys)
+            assert code == 0, err
+    finally:
+        handle.remove()
+    assert seen == [[(0.5, {True}), (0.0, {False})], [(0.2, {True}), (0.0, {False})]]
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
 def test_a_checkpoint_with_one_optimiser_group_resumes_as_with_two(script, tmp_path, capsys):
     """Checkpoints written before weight decay left vectors out hold one AdamW group, in the parameters' order:
     such a state is laid out in the two groups, each parameter's moments with it, and the resumed run ends with

@@ -789,21 +789,3 @@ def test_num_eval_prompts_caps_an_eval_file(tmp_path, capsys, monkeypatch):
             write_prompt_rows(tmp_path / "eval.jsonl", rows), "--num-eval-prompts", "3"]
     assert run_main(argv, capsys)[0] == 0
     assert evaluated == [3, 3]  # at the start and at the end
-
-
-def test_weight_decay_applies_to_matrices_only_and_a_resume_sets_it_from_the_flag(tmp_path, capsys):
-    """Biases and norm gains are not decayed (as in transformers' Trainer): every 1-D tensor the optimiser steps is
-    in a group of weight decay 0, every matrix in one of --weight-decay; a resume with another --weight-decay
-    changes the matrices' group only."""
-    seen = []
-    handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: seen.append(
-        [(group["weight_decay"], {p.ndim >= 2 for p in group["params"]}) for group in optimizer.param_groups]))
-    try:
-        flags = ["--output-dir", str(tmp_path / "run"), *ONE_STEP, "--save-every", "1"]
-        code, err = run_main([*flags, "--total-steps", "1", "--weight-decay", "0.5"], capsys)
-        assert code == 0, err
-        code, err = run_main([*flags, "--total-steps", "2", "--weight-decay", "0.2", "--resume-from", "latest"], capsys)
-        assert code == 0, err
-    finally:
-        handle.remove()
-    assert seen == [[(0.5, {True}), (0.0, {False})], [(0.2, {True}), (0.0, {False})]]
