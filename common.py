@@ -77,6 +77,11 @@ class RunLogger:
         """The wandb run's id (None without one): saved with each checkpoint, so that a resume logs into that run."""
         return self.wandb_run.id if self.wandb_run is not None else None
 
+    @property
+    def wandb_group(self) -> str | None:
+        """The wandb run's group: saved with each checkpoint, so that a branch from it joins its group."""
+        return self.wandb_run.group if self.wandb_run is not None else None
+
     def log(self, step: int, metrics: dict, prefix: str = "step") -> None:
         if not self.enabled:
             return
@@ -146,13 +151,13 @@ def _start_wandb(config: dict, project: str, entity: str | None, group: str | No
         print0("WARNING: --track given but wandb is not installed (pip install wandb); continuing without it.",
                file=sys.stderr)
         return None
-    # without --wandb-group a run is a group of its own; a random suffix keeps two launches in one second apart
-    group = group or f"{run_name}-{secrets.token_hex(3)}"
     try:
         if run_id is not None:  # a resume: the same run, its name and group, its curves continued from the checkpoint
-            run = wandb.init(project=project, entity=entity, id=run_id, resume="allow", save_code=True)
+            run = wandb.init(project=project, entity=entity, id=run_id, resume="allow", group=group, save_code=True)
             run.config.update(config, allow_val_change=True)  # the flags this launch runs with (--total-steps ...)
             return run
+        # without --wandb-group a new run is a group of its own (the suffix keeps two launches in one second apart)
+        group = group or f"{run_name}-{secrets.token_hex(3)}"
         return wandb.init(project=project, entity=entity, group=group, name=run_name, config=config,
                           save_code=True)
     except Exception as error:  # network, auth or config errors: wandb raises many kinds

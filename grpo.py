@@ -78,7 +78,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """the wandb entity (team); None = your default"""
     wandb_group: Optional[str] = None
-    """the wandb group; None = a random name per launch"""
+    """the wandb group; None = a random name for a new run, the checkpoint's run's group for a resume"""
 
     # Model and data
     model: str = "tiny"
@@ -1661,11 +1661,11 @@ def train(args: Args) -> dict:
     start_step = 0
     bad_steps_in_a_row = skipped_updates = 0
     saved_eval_start = saved_eval_last = None
-    resumed_wandb_id = None  # with --track, a resume logs into the checkpoint's wandb run
+    resumed_wandb_id = resumed_wandb_group = None  # with --track, a resume logs into the checkpoint's wandb run
     if resume_path:
         # (on the CPU first: the optimiser's load puts each state beside its parameter, on this process's device)
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-        resumed_wandb_id = state.get("wandb_id")
+        resumed_wandb_id, resumed_wandb_group = state.get("wandb_id"), state.get("wandb_group")
         if state.get("dtype", str(dtype)) != str(dtype):  # (bf16 `auto` on a GPU, float32 on a CPU)
             raise UserError(f"--resume-from {resume_path}: the checkpoint's run computed in {state['dtype']}, this "
                             f"one in {dtype}: pass the same --dtype")
@@ -1751,7 +1751,8 @@ def train(args: Args) -> dict:
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
         # with --track the run goes on in its wandb run only from as far as it got; from an earlier checkpoint (a
-        # branch) or into another directory it is a wandb run of its own (wandb ignores rows at steps it holds)
+        # branch) or into another directory it is a wandb run of its own (wandb ignores rows at steps it holds), in
+        # the same wandb group
         reached = max([*checkpoint_steps(output_dir), final_step(output_dir) or 0]) if resuming_here else None
         if reached is None or reached > start_step:
             resumed_wandb_id = None
@@ -1771,7 +1772,7 @@ def train(args: Args) -> dict:
                "step_time_s": "dt", "generation_time_s": "gen", "update_time_s": "upd"}
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
                        wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
-                       wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main,
+                       wandb_group=args.wandb_group or resumed_wandb_group, run_name=args.run_name, enabled=is_main,
                        append=resume_path is not None, wandb_id=resumed_wandb_id)
     n_params = sum(p.numel() for p in model.parameters())
     body_weights, head_weights = weight_counts(model)
@@ -1789,7 +1790,7 @@ def train(args: Args) -> dict:
             save_checkpoint(path, model, tokenizer, args, {
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_state(), "dtype": str(dtype),
-                "wandb_id": logger.wandb_id,
+                "wandb_id": logger.wandb_id, "wandb_group": logger.wandb_group,
                 "data": fingerprint, "eval_rows": eval_fingerprint, "eval_start": eval_accuracy_start,
                 "eval_last": eval_accuracy if evaluated else None,
                 "master": [m.detach().cpu() for _, m in mastered]},

@@ -84,7 +84,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """the wandb entity (team); None = your default"""
     wandb_group: Optional[str] = None
-    """the wandb group; None = a random name per launch"""
+    """the wandb group; None = a random name for a new run, the checkpoint's run's group for a resume"""
 
     # Model and data
     model: str = "tiny"
@@ -1645,13 +1645,14 @@ def train(args: Args) -> dict:
     start_step = 0
     bad_steps_in_a_row = skipped_updates = 0
     saved_eval = None
-    resumed_wandb_id = None  # with --track, a resume logs into the checkpoint's wandb run
+    resumed_wandb_id = resumed_wandb_group = None  # with --track, a resume logs into the checkpoint's wandb run
     if resume_path:
         state = load_trainer_state(resume_path)
-        resumed_wandb_id = state.get("wandb_id")
+        resumed_wandb_id, resumed_wandb_group = state.get("wandb_id"), state.get("wandb_group")
         if state.get("data_fingerprint") != fingerprint:
-            cause = ("same --data-path and --num-val-rows, and an --eval-data-path (which validation rows are held out "
-                     "for) or none, but the file changed?" if args.data_path else
+            cause = ("same --data-path and --num-val-rows, and an --eval-data-path (which validation rows are held "
+                     "out for) or none, but the file changed? or the checkpoint of an older prm.py, which held out "
+                     "validation rows without an --eval-data-path too" if args.data_path else
                      "the built-in rows changed: a checkpoint of another version of prm.py?")
             raise UserError(f"--resume-from {resume_path}: the training rows differ from the checkpoint's ({cause}); "
                             "resume on the same data")
@@ -1738,7 +1739,8 @@ def train(args: Args) -> dict:
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
         # with --track the run goes on in its wandb run only from as far as it got; from an earlier checkpoint (a
-        # branch) or into another directory it is a wandb run of its own (wandb ignores rows at steps it holds)
+        # branch) or into another directory it is a wandb run of its own (wandb ignores rows at steps it holds), in
+        # the same wandb group
         reached = max([*checkpoint_steps(output_dir), final_step(output_dir) or 0]) if resuming_here else None
         if reached is None or reached > start_step:
             resumed_wandb_id = None
@@ -1753,7 +1755,7 @@ def train(args: Args) -> dict:
                "eval_first_error_f1": "eval_fe_f1", "step_time_s": "dt"}
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,
                        wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
-                       wandb_group=args.wandb_group, run_name=args.run_name, enabled=is_main,
+                       wandb_group=args.wandb_group or resumed_wandb_group, run_name=args.run_name, enabled=is_main,
                        append=resume_path is not None, wandb_id=resumed_wandb_id)
     n_params = sum(p.numel() for p in prm.parameters())
     n_trainable = sum(p.numel() for p in trainable)
@@ -1800,7 +1802,7 @@ def train(args: Args) -> dict:
                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step,
                 "master": [m.detach().cpu() for _, m in mastered],
                 "bad_steps": bad_steps_in_a_row, "skipped": skipped_updates, "rng": rng_states,
-                "wandb_id": logger.wandb_id,
+                "wandb_id": logger.wandb_id, "wandb_group": logger.wandb_group,
                 "eval_start": eval_start, "eval_last": eval_metrics, "data_fingerprint": fingerprint,
                 "eval_rows": eval_fingerprint,
                 "dtype": str(dtype).removeprefix("torch."),  # checked on resume: the masters exist only for bf16

@@ -308,7 +308,7 @@ def test_saved_model_and_jsonl_with_chat_template(tmp_path):
 def test_track_with_wandb_offline_and_a_resume_continues_the_same_run(script, tmp_path):
     """The checkpoint records the wandb run's id: a resumed launch logs into that run (its curve continued, not
     split over two unrelated runs); a resume from an earlier checkpoint, a branch, is a wandb run of its own (wandb
-    would ignore its rows at the steps the first branch logged)."""
+    would ignore its rows at the steps the first branch logged), in the first run's group."""
     flags = ([*QUICK, "--num-eval-prompts", "0"] if script == "grpo" else
              ["--batch-size", "4", "--num-val-rows", "0", "--num-eval-rows", "0", "--eval-every", "0"])
     out, env = tmp_path / "run", {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
@@ -321,7 +321,9 @@ def test_track_with_wandb_offline_and_a_resume_continues_the_same_run(script, tm
         assert process.returncode == 0, process.stderr[-3000:]
     ids = [run.name.rsplit("-", 1)[1] for run in sorted((tmp_path / "wandb").glob("offline-run-*"))]
     assert len(ids) == 3 and ids[1] == ids[0] and ids[2] != ids[0], ids
-    assert torch.load(out / "checkpoint-3" / "trainer_state.pt", weights_only=True)["wandb_id"] == ids[2]
+    first, branch = (torch.load(out / f"checkpoint-{step}" / "trainer_state.pt", weights_only=True) for step in (1, 3))
+    assert first["wandb_id"] == ids[0] and branch["wandb_id"] == ids[2]
+    assert first["wandb_group"].startswith(f"{script}__") and branch["wandb_group"] == first["wandb_group"]
 
 
 def test_bfloat16_on_cpu(tmp_path):
