@@ -334,8 +334,8 @@ def grpo_loss(
 
     stats (detached, masked token means over this part): ratio_mean, clip_frac_low (A<0 and r < 1-eps_low:
     the clip is active and the token gets no gradient), clip_frac_high (A>0 and r > 1+eps_high, or with delta
-    A<0 and r > delta: bounded above, no gradient either), kl_mean, pg_loss; plus `tokens`, this part's token
-    count, to weight them when combining parts.
+    A<0 and r > delta: bounded above, no gradient either), pg_loss, kl_mean (with a reference only); plus `tokens`,
+    this part's token count, to weight them when combining parts.
     """
     mask = mask.to(logp.dtype)
     num_sequences = total_sequences if total_sequences is not None else logp.shape[0]
@@ -390,10 +390,11 @@ def grpo_loss(
             "ratio_mean": (ratio * mask).sum() / local_tokens,
             "clip_frac_low": (low * mask).sum() / local_tokens,
             "clip_frac_high": (high * mask).sum() / local_tokens,
-            "kl_mean": (kl * mask).sum() / local_tokens if kl is not None else torch.zeros(()),
             "pg_loss": (pg_token_loss * mask).sum() / local_tokens,
             "tokens": mask.sum(),
         }
+        if kl is not None:  # (without a reference there is no KL to report: a logged 0 would read as "no drift")
+            stats["kl_mean"] = (kl * mask).sum() / local_tokens
     return loss, stats
 
 
@@ -655,6 +656,13 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
         for weight in model.parameters():  # not .to(dtype), which would round the fp32 rotary frequencies
             weight.data = weight.data.to(dtype)  # (buffers) that from_pretrained recomputes when final/ is loaded
         return model, tokenizer
+    adapter_config = os.path.join(name_or_path, "adapter_config.json")
+    if os.path.isfile(adapter_config):  # (a LoRA run's final/ or checkpoint: transformers would load it merged only
+        with open(adapter_config) as f:  # for inference, and a new adapter saved on it would name it as its base)
+            base = json.load(f).get("base_model_name_or_path")
+        raise UserError(f"--model {name_or_path} is a LoRA adapter (on {base}), not a model to start from: continue "
+                        "its run with --resume-from (its final/ or a checkpoint), or merge it into its base first "
+                        "(peft's merge_and_unload, then save_pretrained of the model and its tokenizer) and pass that")
     if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
         raise UserError(f"could not load model {name_or_path!r}: the directory holds no config.json (a model saved "
                         "with save_pretrained has one)")
@@ -2117,7 +2125,7 @@ def train(args: Args) -> dict:
             metrics = {**local, "learning_rate": applied_lr, "step_time_s": step_time,
                        **{f"{part}_time_s": times[-1] for part, times in timings.items()},
                        "memory_mb": memory_samples[-1]}
-            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
+            if args.eval_every and eval_rows and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
                 eval_accuracy = metrics["eval_accuracy"] = run_eval(step + 1)
             logger.log(step + 1, metrics)
             if too_many_bad_updates:  # (after its row: metrics.jsonl shows the step that stopped the run)

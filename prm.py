@@ -1444,19 +1444,32 @@ def evaluate_prm(prm, val_examples: list[dict], eval_examples: list[dict], batch
     return evaluate(predict(prm, eval_examples, batch_size), [e["all_labels"] for e in eval_examples], threshold)
 
 
-def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped_places: list = ()) -> None:
-    """The input rows, unchanged, with a "scores" list added to each (one per kept step), written atomically. A row
-    skipped as invalid (--skip-bad-rows) keeps its line, as {"skipped": "line N: what is wrong", "scores": null}:
-    output line k is input line k's (blank lines aside), so the two files can be read side by side."""
+def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped_places: list = ()) -> dict:
+    """The input rows, unchanged, with a "scores" list added to each (one per kept step), written atomically, and
+    what was written, also printed. A row skipped as invalid (--skip-bad-rows) keeps its line, as
+    {"skipped": "line N: what is wrong", "scores": null}: output line k is input line k's (blank lines aside), so
+    the two files can be read side by side. A score that is not finite (a diverged model) is written as null, since
+    JSON has no NaN."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     pending = list(skipped_places)  # (place among the valid rows, message), in file order
+    not_finite = 0
     with open(path + ".tmp", "w") as f:
         for place in range(len(rows) + 1):
             while pending and pending[0][0] == place:
                 f.write(json.dumps({"skipped": pending.pop(0)[1], "scores": None}) + "\n")
             if place < len(rows):
-                f.write(json.dumps({**rows[place], "scores": scores[place]}) + "\n")
+                row_scores = [score if math.isfinite(score) else None for score in scores[place]]
+                not_finite += row_scores.count(None)
+                f.write(json.dumps({**rows[place], "scores": row_scores}, allow_nan=False) + "\n")
     os.replace(path + ".tmp", path)
+    written = {"rows": len(rows), "skipped_rows": len(skipped_places), "scored_steps": sum(len(s) for s in scores),
+               "dropped_steps": sum(len(r["completions"]) - len(s) for r, s in zip(rows, scores, strict=True))}
+    print0(f"scored {written['scored_steps']} steps of {len(rows)} rows into {path} ({written['dropped_steps']} steps "
+           f"truncated away, {len(skipped_places)} rows skipped)")
+    if not_finite:
+        print0(f"warning: {not_finite} scores are not finite (written as null): the model's outputs diverged",
+               file=sys.stderr)
+    return written
 
 
 def score_file(args: Args) -> dict:
@@ -1470,21 +1483,16 @@ def score_file(args: Args) -> dict:
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     start = time.perf_counter()
     skipped_places = []
-    rows, skipped = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows,
-                                    skipped_places=skipped_places)
+    rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows,
+                              skipped_places=skipped_places)
     prm = load_prm(args.prm_path, device, dtype, args.trust_remote_code)
     try:
         scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows],
                              args.eval_batch_size)
     except ValueError as problem:  # a step that tokenises to nothing (solutions counted over the valid rows)
         raise UserError(f"{args.score_data_path}, {problem}") from None
-    write_scores(args.scores_output, rows, scores, skipped_places)
-    summary = {"rows": len(rows), "skipped_rows": skipped, "scored_steps": sum(len(s) for s in scores),
-               "dropped_steps": sum(len(r["completions"]) - len(s) for r, s in zip(rows, scores, strict=True)),
-               "time_s": time.perf_counter() - start}
-    print0(f"scored {summary['scored_steps']} steps of {len(rows)} rows into {args.scores_output} "
-           f"({summary['dropped_steps']} steps truncated away, {skipped} rows skipped)")
-    return summary
+    summary = write_scores(args.scores_output, rows, scores, skipped_places)
+    return {**summary, "time_s": time.perf_counter() - start}
 
 
 def train(args: Args) -> dict:
@@ -1611,6 +1619,11 @@ def train(args: Args) -> dict:
     if dropped_steps:
         print0(f"note: --max-length {args.max_length} dropped {dropped_steps} steps that did not fit whole, and "
                f"{dropped_rows} rows left with no step (held-out ones still count, unscored)", enabled=is_main)
+    inner = sum(args.step_separator in step for row in train_rows for step in row["completions"])
+    if inner:  # labelled at their ends only: a solution split at every separator has more steps than they had
+        print0(f"note: {inner} training steps contain the separator {args.step_separator!r}: each is one step here, "
+               "scored at its end, but split_steps (and grpo.py's PRM reward) cut generated text at every separator",
+               enabled=is_main)
     if not train_examples:
         raise UserError(f"every training row was truncated away (--max-length {args.max_length}): raise "
                         "--max-length or shorten the prompts")
@@ -1763,6 +1776,14 @@ def train(args: Args) -> dict:
            f"{args.world_size} process(es); {len(train_examples)} training rows, {len(val_examples)} validation, "
            f"{len(eval_examples)} eval; {args.total_steps} steps of {args.batch_size} rows", enabled=is_main)
 
+    if eval_examples:  # said now, so that a NaN metric is not taken for a diverged model
+        scored_step_kinds = {label >= 0.5 for e in eval_examples for label in e["labels"]}
+        solution_kinds = {first_below(e["all_labels"], 0.5) >= 0 for e in eval_examples}
+        for metric, kinds, needs in (("auroc", scored_step_kinds, "correct and wrong steps"), (
+                "first_error_f1", solution_kinds, "fully correct solutions and ones with an error")):
+            if len(kinds) < 2:
+                print0(f"note: eval {metric} will be nan: it needs both {needs}, and the eval rows hold only one kind",
+                       enabled=is_main)
     # what a scorer blind to step content gets: the training rate of correct steps at each step index
     train_labels = [e["labels"] for e in train_examples]
     baseline = {"eval_step_accuracy": float("nan"), "eval_auroc": float("nan"), "eval_first_error_f1": float("nan")}

@@ -125,14 +125,17 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
 
 
 def test_a_run_without_held_out_prompts_prints_no_evaluation(tmp_path, capsys):
-    """--data-path without --eval-data-path holds nothing to evaluate: no 'eval accuracy ... nan' lines."""
+    """--data-path without --eval-data-path holds nothing to evaluate: no 'eval accuracy ... nan' lines, nor
+    eval_accuracy columns of nulls in metrics.jsonl."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(f'{{"prompt": "{a}+1=", "answer": "{a + 1}"}}\n' for a in range(8)))
     out_dir = tmp_path / "run"
-    code, out, err = run_main([*QUICK, "--data-path", str(data), "--output-dir", str(out_dir)], capsys,
-                              with_stdout=True)
+    code, out, err = run_main([*QUICK, "--data-path", str(data), "--output-dir", str(out_dir), "--eval-every", "1"],
+                              capsys, with_stdout=True)
     assert code == 0, err
-    assert "eval accuracy" not in out and "step 3 |" in out
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert "eval accuracy" not in out and len(step_lines) == 3 and not any("eval_acc" in line for line in step_lines)
+    assert not any("eval_accuracy" in row for row in read_metrics(out_dir))
     assert read_summary(out_dir)["eval_accuracy_end"] is None  # NaN, written as null
 
 
@@ -167,6 +170,10 @@ def test_a_lora_adapter_of_a_local_model_names_its_base_by_its_absolute_path(tmp
     assert config["base_model_name_or_path"] == str(tmp_path / "model")
     monkeypatch.chdir(REPO_ROOT)
     assert AutoPeftModelForCausalLM.from_pretrained(str(run / "final")) is not None
+    # the adapter is no model to start a new run from: said so, with the two ways on (it had no config.json)
+    code, err = run_main(["--output-dir", str(tmp_path / "next"), *QUICK, "--model", str(run / "final")], capsys)
+    assert code == 2 and (f"--model {run / 'final'} is a LoRA adapter (on {tmp_path / 'model'}), not a model to "
+                          "start from: continue its run with --resume-from") in err, err
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])

@@ -88,14 +88,14 @@ def test_default_task_few_steps(tmp_path):
     assert summary["generated_tokens_per_s"] == pytest.approx(
         generated / sum(row["generation_time_s"] for row in timed), rel=1e-6)
     assert summary["generation_time_s"] == pytest.approx(sum(row["generation_time_s"] for row in metrics), rel=1e-6)
-    for key in ("reward", "accuracy", "kl_mean", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy",
+    for key in ("reward", "accuracy", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy",
                 "completion_length", "logp_gap_max", "generation_time_s", "update_time_s"):
         assert key in metrics[0], key
     # one update per rollout: the ratio against the rollout policy is exactly 1, nothing clips
     assert all(row["ratio_mean"] == pytest.approx(1.0) and row["clip_frac_low"] == 0 for row in metrics)
     # the training pass and the sampler see the same tokens with the same weights: log-probs agree
     assert all(row["logp_gap_max"] < 1e-4 for row in metrics)
-    assert all(row["kl_mean"] == 0 for row in metrics)  # --kl-coef 0: no reference policy at all
+    assert not any("kl_mean" in row for row in metrics)  # --kl-coef 0: no reference policy, no KL to report
     assert "step 3" in process.stdout and "summary" in process.stdout
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
