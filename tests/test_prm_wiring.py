@@ -496,15 +496,52 @@ def test_scoring_skips_bad_rows_when_asked_and_keeps_their_lines(tmp_path, capsy
             "train": ["--output-dir", str(tmp_path / "run"), *SMALL, "--total-steps", "1"]}
     for name, flags in runs.items():
         out = tmp_path / f"{name}.jsonl"
-        code, err = run_main([*flags, "--score-data-path", str(data), "--scores-output", str(out),
-                              "--skip-bad-rows"], capsys)
+        code, stdout, err = run_main([*flags, "--score-data-path", str(data), "--scores-output", str(out),
+                                      "--skip-bad-rows"], capsys, with_stdout=True)
         assert code == 0, err
+        assert f"scored 3 steps of 2 rows into {out} (0 steps truncated away, 2 rows skipped)" in stdout, name
         written = [json.loads(line) for line in out.read_text().splitlines()]
         assert [row.get("id") for row in written] == [1, None, 3, None], name
         assert [len(row["scores"]) for row in (written[0], written[2])] == [1, 2]
         assert written[1]["scores"] is None and written[1]["skipped"].startswith("line 2: ")
         assert written[3] == {"skipped": "line 4: " + written[3]["skipped"][8:], "scores": None}
         assert "completions" in written[3]["skipped"]
+
+
+def test_a_score_that_is_not_finite_is_written_as_null_with_a_warning(tmp_path, capsys):
+    """JSON has no NaN: json.dumps' bare NaN made a scores file that strict parsers reject."""
+    rows = [{"prompt": "p", "completions": ["a", "b", "c"]}, {"prompt": "q", "completions": ["d"]}]
+    written = prm.write_scores(str(tmp_path / "scores.jsonl"), rows, [[0.25, float("nan"), float("inf")], []])
+    assert written == {"rows": 2, "skipped_rows": 0, "scored_steps": 3, "dropped_steps": 1}
+
+    def no_constants(name):
+        raise ValueError(f"{name} is not JSON")
+    lines = (tmp_path / "scores.jsonl").read_text().splitlines()
+    assert [json.loads(line, parse_constant=no_constants)["scores"] for line in lines] == [[0.25, None, None], []]
+    assert "warning: 2 scores are not finite (written as null)" in capsys.readouterr().err
+
+
+def test_notes_for_metrics_that_one_kind_of_label_leaves_nan_and_for_steps_holding_the_separator(tmp_path, capsys):
+    """Eval rows whose steps are all correct leave AUROC and first-error F1 NaN: said before training, so that the
+    NaN is not read as a diverged model. A training step with the separator inside is scored whole, which a
+    solution split on every separator is not."""
+    rows = builtin_rows(48)
+    rows[0] = {**rows[0], "completions": [rows[0]["completions"][0] + "\nand so", *rows[0]["completions"][1:]]}
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    correct = [row for row in builtin_rows(200) if min(row["labels"]) == 1][:6]
+    wrong_only = [{**row, "labels": [0] * len(row["labels"])} for row in correct]
+    for eval_rows, nan_metrics in ((correct, ["auroc", "first_error_f1"]), (wrong_only, ["auroc", "first_error_f1"]),
+                                   ([*correct, *builtin_rows(12)], [])):
+        evals = write_rows(tmp_path / "eval.jsonl", eval_rows)
+        code, stdout, err = run_main(["--output-dir", str(tmp_path / "run"), "--overwrite", *SMALL, "--total-steps",
+                                      "1", "--data-path", str(data), "--eval-data-path", str(evals)], capsys,
+                                     with_stdout=True)
+        assert code == 0, err
+        noted = re.findall(r"note: eval (\w+) will be nan: it needs both", stdout)
+        assert noted == nan_metrics, stdout
+        assert "note: 1 training steps contain the separator '\\n': each is one step here" in stdout
+        summary = read_summary(tmp_path / "run")
+        assert all(summary[f"eval_{metric}_end"] is None for metric in nan_metrics)
 
 
 # listed here, not read from RESUME_MUST_MATCH; the data is checked by its content, not its path (see
