@@ -2190,6 +2190,7 @@ def train(args: Args) -> dict:
         "eval_accuracy_end": eval_accuracy,
         "skipped_updates": skipped_updates,
         "interrupted": interrupted,
+        "resumed_from_step": start_step,  # (the times, totals and rates above are this launch's steps')
         "parameters": n_params,
     }
     # model FLOP/s of this process over the timed steps (see step_flops), against the device's peak (MFU: on CUDA,

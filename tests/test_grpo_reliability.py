@@ -944,7 +944,9 @@ def test_resume_continues_the_checkpoints_run(tmp_path, capsys, monkeypatch):
     assert code == 0
     assert [row["step"] for row in read_metrics(run)] == [1, 2]
     assert grpo.checkpoint_steps(str(run)) == [1]  # checkpoint-2 and -3 belonged to the abandoned branch
-    assert (run / "summary.json").read_text() != summary
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["steps"] == 2 and resumed["resumed_from_step"] == 1  # its times cover the one step it ran
+    assert json.loads(summary)["resumed_from_step"] == 0
     assert (set(os.listdir("runs")) if os.path.isdir("runs") else set()) == runs_before  # no new run directory
 
     # the abandoned branch's final model goes too: were this run stopped in its last step, a resume would
