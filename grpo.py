@@ -2163,7 +2163,7 @@ def train(args: Args) -> dict:
         logger.close()
         if distributed:
             dist.destroy_process_group()
-        return {"steps": start_step + len(step_times), "interrupted": True}
+        return {"steps": start_step + len(step_times), "interrupted": True, "stop_signal": stopped_by(stop_signal)}
     if not interrupted:
         eval_accuracy = run_eval(start_step + len(step_times))
         if eval_rows:  # a second row for the last step (its training row is logged before the final save)
@@ -2190,6 +2190,7 @@ def train(args: Args) -> dict:
         "eval_accuracy_end": eval_accuracy,
         "skipped_updates": skipped_updates,
         "interrupted": interrupted,
+        **({"stop_signal": stopped_by(stop_signal)} if interrupted else {}),
         "resumed_from_step": start_step,  # (the times, totals and rates above are this launch's steps')
         "parameters": n_params,
     }
@@ -2217,12 +2218,20 @@ def train(args: Args) -> dict:
     return summary
 
 
+def stopped_by(received: list) -> str:
+    """The name of the signal that stopped the run (under torchrun a process can stop because another got it: every
+    one gets the SIGTERM that torchrun forwards, not always before the step's check)."""
+    return signal.Signals(received[0]).name if received else "SIGTERM"
+
+
 def main() -> None:
     try:
-        train(tyro.cli(Args))
+        summary = train(tyro.cli(Args))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    if summary.get("interrupted"):  # checkpointed, not finished: a retry loop or a scheduler must not take it for done
+        sys.exit(128 + signal.Signals[summary["stop_signal"]])  # as the shell reports a process the signal ended
 
 
 if __name__ == "__main__":

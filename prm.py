@@ -1967,7 +1967,7 @@ def train(args: Args) -> dict:
         logger.close()
         if distributed:
             dist.destroy_process_group()
-        return {"steps": start_step + len(step_times), "interrupted": True}
+        return {"steps": start_step + len(step_times), "interrupted": True, "stop_signal": stopped_by(stop_signal)}
     if evaluates and not interrupted:
         eval_metrics = evaluate_prm(prm, val_examples, eval_examples, args.eval_batch_size)
         last_step = start_step + len(step_times)
@@ -2000,6 +2000,7 @@ def train(args: Args) -> dict:
         "skipped_rows": skipped_rows,
         "skipped_updates": skipped_updates,
         "interrupted": interrupted,
+        **({"stop_signal": stopped_by(stop_signal)} if interrupted else {}),
         "resumed_from_step": start_step,
         "parameters": n_params,
         "trainable_parameters": n_trainable,
@@ -2032,13 +2033,21 @@ def train(args: Args) -> dict:
     return summary
 
 
+def stopped_by(received: list) -> str:
+    """The name of the signal that stopped the run (under torchrun a process can stop because another got it: every
+    one gets the SIGTERM that torchrun forwards, not always before the step's check)."""
+    return signal.Signals(received[0]).name if received else "SIGTERM"
+
+
 def main() -> None:
     try:
         args = tyro.cli(Args)
-        score_file(args) if args.prm_path else train(args)
+        summary = score_file(args) if args.prm_path else train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    if summary.get("interrupted"):  # checkpointed, not finished: a retry loop or a scheduler must not take it for done
+        sys.exit(128 + signal.Signals[summary["stop_signal"]])  # as the shell reports a process the signal ended
 
 
 if __name__ == "__main__":

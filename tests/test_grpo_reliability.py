@@ -579,8 +579,8 @@ def test_a_second_stop_signal_stops_at_once(script, tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(module, hooked, then_two_sigterms)
     code, err = run_script_main(module.main, f"{script}.py", ["--output-dir", str(tmp_path / "term"), *flags], capsys)
-    assert code == 0 and len(signals_sent) == 4 and [p.name for p in (tmp_path / "term").glob("checkpoint-*")] == [
-        "checkpoint-1"], err
+    assert code == 128 + signal.SIGTERM and len(signals_sent) == 4, err  # stopped, not finished: not status 0
+    assert [p.name for p in (tmp_path / "term").glob("checkpoint-*")] == ["checkpoint-1"]
     assert signal.getsignal(signal.SIGTERM) is sigterm_before
 
 
@@ -600,7 +600,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=240)
-    assert process.returncode == 0, stderr
+    assert process.returncode == 128 + signal.SIGTERM, stderr
     steps = grpo.checkpoint_steps(str(interrupted))
     assert steps, stdout
     assert "--resume-from" in stdout and not (interrupted / "final").exists()
@@ -661,7 +661,7 @@ def test_a_longer_run_stopped_in_its_last_step_still_ends_with_its_own_final_mod
     monkeypatch.setattr(grpo, "compute_rewards", rewards_sending_sigterm)
     code, out, _ = run_main([*flags, "--total-steps", "3", "--resume-from", "latest"], capsys, with_stdout=True)
     monkeypatch.setattr(grpo, "compute_rewards", real_rewards)
-    assert code == 0 and "stopped by a signal after step 3" in out
+    assert code == 128 + signal.SIGTERM and "stopped by a signal after step 3" in out
     assert grpo.checkpoint_steps(str(run)) == [3] and grpo.final_step(str(run)) == 2
     code, out, _ = run_main([*flags, "--total-steps", "3", "--resume-from", "latest"], capsys, with_stdout=True)
     assert code == 0 and "nothing to do" not in out
@@ -740,7 +740,7 @@ def test_a_stop_signal_during_the_final_save_skips_the_final_evaluation(tmp_path
     run = tmp_path / "run"
     flags = [*QUICK, "--output-dir", str(run), "--total-steps", "2"]
     code, out, _ = run_main(flags, capsys, with_stdout=True)
-    assert code == 0 and "stopped by a signal after saving the final model" in out
+    assert code == 128 + signal.SIGTERM and "stopped by a signal after saving the final model" in out
     assert "eval accuracy at step 2" not in out and not (run / "summary.json").exists()
     assert grpo.final_step(str(run)) == 2
     monkeypatch.setattr(grpo, "save_checkpoint", real_save)

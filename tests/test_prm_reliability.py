@@ -830,7 +830,7 @@ def test_a_stop_signal_during_the_final_save_checkpoints_and_skips_the_final_eva
     flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
              "--eval-data-path", str(eval_rows)]
     code, stdout, err = run_main(flags, capsys, with_stdout=True)
-    assert code == 0 and "stopped by a signal after saving the final model" in stdout, err
+    assert code == 128 + signal.SIGTERM and "stopped by a signal after saving the final model" in stdout, err
     assert "eval at step 2" not in stdout and not (out / "summary.json").exists()
     assert prm.final_step(str(out)) == 2 and prm.checkpoint_steps(str(out)) == [2]
     monkeypatch.setattr(prm, "save_prm", real_save)
@@ -957,7 +957,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=240)
-    assert process.returncode == 0, stderr[-3000:]
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     steps = prm.checkpoint_steps(str(interrupted))
     assert len(steps) == 1, stdout[-3000:]
     stopped_at = steps[0]
@@ -991,10 +991,11 @@ def test_sigint_finishes_the_step_then_checkpoints(tmp_path, capsys, monkeypatch
     out = tmp_path / "out"
     code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path),
                                   "--total-steps", "10"], capsys, with_stdout=True)
-    assert code == 0, err
+    assert code == 128 + signal.SIGINT, err
     assert "stopped by a signal after step 2" in stdout and f"--resume-from {out / 'checkpoint-2'}" in stdout
     assert prm.checkpoint_steps(str(out)) == [2] and len(read_metrics(out)) == 2
     assert not (out / "final").exists() and read_summary(out)["interrupted"] is True
+    assert read_summary(out)["stop_signal"] == "SIGINT"  # and the exit status is 130, as for a process it ended
     assert signal.getsignal(signal.SIGINT) is handler_before  # the handlers are put back
 
 
