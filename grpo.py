@@ -1416,6 +1416,16 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     if different:
         raise UserError(f"--resume-from {path}: the checkpoint's run differs from this one ({'; '.join(different)}); "
                         "resume with the same settings")
+    # the other flags may change (a longer run, another temperature...), but not unsaid: the run goes on otherwise
+    # than it began. Not listed: where it runs and writes, and the optimiser settings (noted once restored)
+    unnoted = {"resume_from", "output_dir", "overwrite", "run_name", "world_size", "local_prompts", "learning_rate",
+               "weight_decay", "adam_betas"}
+    changed = [f"--{key.replace('_', '-')} {saved.get(key, defaults[key])!r} there, {getattr(args, key)!r} here"
+               for key in defaults if key not in unnoted  # (compared as JSON, where a tuple is a list)
+               and json.dumps(saved.get(key, defaults[key])) != json.dumps(getattr(args, key))]
+    if changed:
+        print0(f"note: resuming with other settings than the checkpoint's run: {'; '.join(changed)}",
+               enabled=os.environ.get("RANK", "0") == "0")
     return path
 
 

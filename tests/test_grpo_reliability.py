@@ -177,6 +177,31 @@ def test_a_lora_adapter_of_a_local_model_names_its_base_by_its_absolute_path(tmp
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_a_resume_names_the_flags_that_differ_from_its_checkpoints_run(script, tmp_path, capsys):
+    """Flags outside RESUME_MUST_MATCH may change on a resume (a longer run, another temperature), but not unsaid:
+    a changed --max-new-tokens went through without a word, and with it dr_grpo's normaliser."""
+    import prm
+    from conftest import run_script_main
+
+    module = grpo if script == "grpo" else prm
+    flags = ([*QUICK, "--num-eval-prompts", "0"] if script == "grpo" else
+             ["--batch-size", "4", "--num-val-rows", "0", "--num-eval-rows", "0", "--eval-every", "0"])
+    changed_flag = "temperature" if script == "grpo" else "max_grad_norm"
+    main = lambda *more: run_script_main(module.main, f"{script}.py", [*flags, *more], capsys,  # noqa: E731
+                                         with_stdout=True)
+    run = tmp_path / "run"
+    assert main("--output-dir", str(run), "--total-steps", "1", "--save-every", "1")[0] == 0
+    code, out, err = main("--output-dir", str(run), "--total-steps", "1", "--save-every", "1", "--resume-from",
+                          "latest")
+    assert code == 0 and "nothing to do" in out and "note: resuming" not in out, err  # the same flags: no note
+    code, out, err = main("--output-dir", str(run), "--total-steps", "2", "--save-every", "1", "--resume-from",
+                          "latest", f"--{changed_flag.replace('_', '-')}", "0.5")
+    before = getattr(module.Args(), changed_flag)
+    assert code == 0 and ("note: resuming with other settings than the checkpoint's run: --total-steps 1 there, 2 "
+                          f"here; --{changed_flag.replace('_', '-')} {before!r} there, 0.5 here\n") in out, out
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
 def test_a_lora_base_among_the_files_the_run_replaces_is_refused(script, tmp_path, capsys):
     """--model run/final --lora-r 4 --output-dir run --overwrite: the run deletes final/, and its adapter names
     that directory as its base, so the PRM or policy it saves could never be loaded. Refused before anything is
