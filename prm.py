@@ -423,10 +423,11 @@ def parse_row(line: str, need_labels: bool) -> dict:
 
 
 def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool = False,
-                    skipped_places: Optional[list] = None) -> tuple[list[dict], int]:
+                    skipped_places: Optional[list] = None, places: Optional[list] = None) -> tuple[list[dict], int]:
     """Rows of a JSONL file and the number skipped. An invalid row is an error naming the file and line, or,
     with skip_bad_rows, a warning and a count (and, into skipped_places if given, its place among the valid rows
-    and what was wrong, for write_scores). A file that cannot be read at all is an error either way."""
+    and what was wrong, for write_scores). places, if given, receives each row's "path:line", for the errors found
+    later (a step that is no token). A file that cannot be read at all is an error either way."""
     what = '{"prompt", "completions", "labels"}' if need_labels else '{"prompt", "completions"}'
     if not os.path.exists(path):
         raise UserError(f"data file {path!r} does not exist; pass a JSONL file of {what} rows")
@@ -442,6 +443,8 @@ def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool 
                     if not line.strip():
                         continue
                     rows.append(parse_row(line, need_labels))
+                    if places is not None:
+                        places.append(f"{path}:{line_number}")
                 except (UnicodeDecodeError, ValueError) as problem:
                     if isinstance(problem, UnicodeDecodeError):
                         problem = "not UTF-8 text (is this a JSONL file?)"
@@ -494,19 +497,28 @@ def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separato
     return input_ids, label_positions
 
 
-def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int,
-                what: str = "training", keep_empty: bool = False) -> tuple[list[dict], int, int]:
+def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int, what: str = "training",
+                keep_empty: bool = False, places: Optional[list[str]] = None,
+                skipped: Optional[list[str]] = None) -> tuple[list[dict], int, int]:
     """Examples {input_ids, positions, labels (of the kept steps), all_labels} for the rows that keep at least one
-    step, and the numbers of dropped steps and dropped rows. what names the rows in errors. keep_empty (held-out
-    rows) keeps a row with no step left as an example with no positions: predict gives it no score, and a first
-    error truncated away still counts in first-error F1, as a miss (left out, it would raise F1)."""
+    step, and the numbers of dropped steps and dropped rows. keep_empty (held-out rows) keeps a row with no step
+    left as an example with no positions: predict gives it no score, and a first error truncated away still counts
+    in first-error F1, as a miss (left out, it would raise F1). A row with a step that is no token is an error
+    naming it by places[i] (its file and line; else by `what` and its number), or, given the list skipped
+    (--skip-bad-rows), left out with a warning and its place and problem appended there."""
     examples, dropped_steps, dropped_rows = [], 0, 0
     for number, row in enumerate(rows, start=1):
         try:
             input_ids, positions = build_prm_example(tokenizer, row["prompt"], row["completions"],
                                                      step_separator=step_separator, max_length=max_length)
         except ValueError as problem:
-            raise UserError(f"{what} row {number} (prompt {row['prompt'][:40]!r}): {problem}") from None
+            where = places[number - 1] if places else f"{what} row {number} (prompt {row['prompt'][:40]!r})"
+            if skipped is None:
+                raise UserError(f"{where}: {problem} (--skip-bad-rows skips such rows)") from None
+            skipped.append(f"{where}: {problem}")
+            print0(f"warning: skipped {where}: {problem}", file=sys.stderr,
+                   enabled=os.environ.get("RANK", "0") == "0" and len(skipped) <= 5)
+            continue
         dropped_steps += len(row["completions"]) - len(positions)
         if not positions:
             dropped_rows += 1
@@ -1023,16 +1035,24 @@ def score_steps(prm: ProcessRewardModel, prompts: list[str], steps: list[list[st
 
 
 def scoring_examples(tokenizer, prompts: list[str], steps: list[list[str]], step_separator: str,
-                     max_length: int) -> list[dict]:
+                     max_length: int, places: Optional[list[str]] = None,
+                     unscorable: Optional[dict] = None) -> list[dict]:
     """score_steps' examples (no labels), built before any scoring: a step that is no token at all raises
-    ValueError naming its solution (numbered from 1) and prompt."""
+    ValueError naming its solution by places[i] (its file and line), else by its number (from 1) and prompt; or,
+    given the dict unscorable (--skip-bad-rows), the solution gets no example positions and unscorable[i] says why
+    (write_scores keeps its line, with a null score)."""
     examples = []
-    for number, (prompt, solution) in enumerate(zip(prompts, steps, strict=True), start=1):
+    for index, (prompt, solution) in enumerate(zip(prompts, steps, strict=True)):
         try:
             input_ids, positions = build_prm_example(tokenizer, prompt, solution, step_separator=step_separator,
                                                      max_length=max_length)
         except ValueError as problem:
-            raise ValueError(f"solution {number} (prompt {prompt[:40]!r}): {problem}") from None
+            where = places[index] if places else f"solution {index + 1} (prompt {prompt[:40]!r})"
+            if unscorable is None:
+                raise ValueError(f"{where}: {problem}") from None
+            unscorable[index] = f"{where}: {problem}"
+            print0(f"warning: skipped {where}: {problem}", file=sys.stderr, enabled=len(unscorable) <= 5)
+            input_ids, positions = [], []
         examples.append({"input_ids": input_ids, "positions": positions, "labels": None})
     return examples
 
@@ -1456,12 +1476,15 @@ def evaluate_prm(prm, val_examples: list[dict], eval_examples: list[dict], batch
     return evaluate(predict(prm, eval_examples, batch_size), [e["all_labels"] for e in eval_examples], threshold)
 
 
-def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped_places: list = ()) -> dict:
+def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped_places: list = (),
+                 unscorable: Optional[dict] = None) -> dict:
     """The input rows, unchanged, with a "scores" list added to each (one per kept step), written atomically, and
     what was written, also printed. A row skipped as invalid (--skip-bad-rows) keeps its line, as
-    {"skipped": "line N: what is wrong", "scores": null}: output line k is input line k's (blank lines aside), so
-    the two files can be read side by side. A score that is not finite (a diverged model) is written as null, since
-    JSON has no NaN."""
+    {"skipped": "line N: what is wrong", "scores": null}, and one that could not be scored (unscorable: its index
+    -> why) as itself with those two fields: output line k is input line k's (blank lines aside), so the two files
+    can be read side by side. A score that is not finite (a diverged model) is written as null, since JSON has no
+    NaN."""
+    unscorable = unscorable or {}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     pending = list(skipped_places)  # (place among the valid rows, message), in file order
     not_finite = 0
@@ -1469,15 +1492,19 @@ def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped
         for place in range(len(rows) + 1):
             while pending and pending[0][0] == place:
                 f.write(json.dumps({"skipped": pending.pop(0)[1], "scores": None}) + "\n")
-            if place < len(rows):
+            if place in unscorable:
+                f.write(json.dumps({**rows[place], "skipped": unscorable[place], "scores": None}) + "\n")
+            elif place < len(rows):
                 row_scores = [score if math.isfinite(score) else None for score in scores[place]]
                 not_finite += row_scores.count(None)
                 f.write(json.dumps({**rows[place], "scores": row_scores}, allow_nan=False) + "\n")
     os.replace(path + ".tmp", path)
-    written = {"rows": len(rows), "skipped_rows": len(skipped_places), "scored_steps": sum(len(s) for s in scores),
-               "dropped_steps": sum(len(r["completions"]) - len(s) for r, s in zip(rows, scores, strict=True))}
-    print0(f"scored {written['scored_steps']} steps of {len(rows)} rows into {path} ({written['dropped_steps']} steps "
-           f"truncated away, {len(skipped_places)} rows skipped)")
+    scored = [place for place in range(len(rows)) if place not in unscorable]
+    written = {"rows": len(scored), "skipped_rows": len(skipped_places) + len(unscorable),
+               "scored_steps": sum(len(scores[place]) for place in scored),
+               "dropped_steps": sum(len(rows[place]["completions"]) - len(scores[place]) for place in scored)}
+    print0(f"scored {written['scored_steps']} steps of {len(scored)} rows into {path} ({written['dropped_steps']} "
+           f"steps truncated away, {written['skipped_rows']} rows skipped)")
     if not_finite:
         print0(f"warning: {not_finite} scores are not finite (written as null): the model's outputs diverged",
                file=sys.stderr)
@@ -1495,15 +1522,23 @@ def score_file(args: Args) -> dict:
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     start = time.perf_counter()
     skipped_places = []
+    places, unscorable = [], {} if args.skip_bad_rows else None
     rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows,
-                              skipped_places=skipped_places)
+                              skipped_places=skipped_places, places=places)
     prm = load_prm(args.prm_path, device, dtype, args.trust_remote_code)
+    defaults = Args()
+    for name in ("step_separator", "max_length"):  # given and not the PRM's own: it would be ignored unsaid
+        given, own = getattr(args, name), prm.config[name]
+        if given != getattr(defaults, name) and given != own:
+            raise UserError(f"--{name.replace('_', '-')} {given!r}: {args.prm_path} was trained with {own!r}, "
+                            "which scoring uses; drop the flag")
     try:
-        scores = score_steps(prm, [r["prompt"] for r in rows], [r["completions"] for r in rows],
-                             args.eval_batch_size)
-    except ValueError as problem:  # a step that tokenises to nothing (solutions counted over the valid rows)
-        raise UserError(f"{args.score_data_path}, {problem}") from None
-    summary = write_scores(args.scores_output, rows, scores, skipped_places)
+        examples = scoring_examples(prm.tokenizer, [r["prompt"] for r in rows], [r["completions"] for r in rows],
+                                    prm.config["step_separator"], prm.config["max_length"], places, unscorable)
+    except ValueError as problem:  # a step that tokenises to nothing
+        raise UserError(f"{problem} (--skip-bad-rows skips such rows)") from None
+    scores = score_examples(prm, examples, args.eval_batch_size)
+    summary = write_scores(args.scores_output, rows, scores, skipped_places, unscorable)
     return {**summary, "time_s": time.perf_counter() - start}
 
 
@@ -1562,24 +1597,31 @@ def train(args: Args) -> dict:
 
     # ---- data rows, checked before any model is loaded (a bad line fails fast)
     skipped_rows = 0
+    train_places = val_places = eval_places = score_places = None  # each file row's "path:line", for errors
     if args.data_path is None:
         train_rows, val_rows, eval_rows = builtin_task(args.seed, args.num_val_rows,
                                                        0 if args.eval_data_path else args.num_eval_rows)
     else:
-        rows, skipped_rows = load_jsonl_rows(args.data_path, skip_bad_rows=args.skip_bad_rows)
-        random.Random(args.seed).shuffle(rows)
+        lines = []
+        rows, skipped_rows = load_jsonl_rows(args.data_path, skip_bad_rows=args.skip_bad_rows, places=lines)
+        order = list(range(len(rows)))
+        random.Random(args.seed).shuffle(order)  # (the permutation that shuffling the rows themselves makes)
+        rows, lines = [rows[i] for i in order], [lines[i] for i in order]
         # never more than a tenth of the training data, and none without eval rows: they only choose the
         # threshold that the eval's first-error F1 is taken at
         num_val = min(args.num_val_rows, len(rows) // 10) if args.eval_data_path else 0
         val_rows, train_rows = rows[:num_val], rows[num_val:]
+        val_places, train_places = lines[:num_val], lines[num_val:]
         eval_rows = []
     if args.eval_data_path:  # replaces the built-in eval rows too (the built-in training rows stay as they are)
-        eval_rows, skipped = load_jsonl_rows(args.eval_data_path, skip_bad_rows=args.skip_bad_rows)
+        eval_places = []
+        eval_rows, skipped = load_jsonl_rows(args.eval_data_path, skip_bad_rows=args.skip_bad_rows, places=eval_places)
         eval_rows, skipped_rows = eval_rows[:args.num_eval_rows], skipped_rows + skipped
     score_rows, skipped_score_places = [], []
     if args.score_data_path:  # scored at the end, with the final model
+        score_places = []
         score_rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows,
-                                        skipped_places=skipped_score_places)
+                                        skipped_places=skipped_score_places, places=score_places)
 
     # ---- model: backbone (+ LoRA) and reward head; a resumed run loads the checkpoint's weights over them
     # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
@@ -1616,18 +1658,23 @@ def train(args: Args) -> dict:
     # ---- tokenisation, once; steps that do not fit are dropped and counted
     dropped_steps = dropped_rows = 0
     encoded = []
-    for rows, what in ((train_rows, "training"), (val_rows, "validation"), (eval_rows, "eval")):
+    unencodable = [] if args.skip_bad_rows else None  # rows with a step that is no token, when they are skipped
+    for rows, places, what in ((train_rows, train_places, "training"), (val_rows, val_places, "validation"),
+                               (eval_rows, eval_places, "eval")):
         examples, steps_lost, rows_lost = encode_rows(tokenizer, rows, args.step_separator, args.max_length, what,
-                                                      keep_empty=what != "training")
+                                                      keep_empty=what != "training", places=places,
+                                                      skipped=unencodable)
         encoded.append(examples)
         dropped_steps, dropped_rows = dropped_steps + steps_lost, dropped_rows + rows_lost
     train_examples, val_examples, eval_examples = encoded
+    skipped_rows += len(unencodable or [])
+    unscorable = {} if args.skip_bad_rows else None
     try:  # the rows to score at the end: a step that is no token at all stops the run now, not after training
         examples_to_score = scoring_examples(tokenizer, [r["prompt"] for r in score_rows],
                                              [r["completions"] for r in score_rows], args.step_separator,
-                                             args.max_length)
+                                             args.max_length, score_places, unscorable)
     except ValueError as problem:
-        raise UserError(f"{args.score_data_path}, {problem}") from None
+        raise UserError(f"{problem} (--skip-bad-rows skips such rows)") from None
     if dropped_steps:
         print0(f"note: --max-length {args.max_length} dropped {dropped_steps} steps that did not fit whole, and "
                f"{dropped_rows} rows left with no step (held-out ones still count, unscored)", enabled=is_main)
@@ -1990,7 +2037,7 @@ def train(args: Args) -> dict:
         scores = score_examples(prm, examples_to_score, args.eval_batch_size) if score_rows else None
         if is_main and scores is not None:
             write_scores(args.scores_output or os.path.join(output_dir, "scores.jsonl"), score_rows, scores,
-                         skipped_score_places)
+                         skipped_score_places, unscorable)
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
 
     def per_second(amount: float, seconds: float) -> float:  # NaN (null) when no step ran: a resume that only

@@ -226,13 +226,25 @@ def test_scoring_mode_bad_inputs(tmp_path, capsys):
                           "--device", "foo"], capsys)
     assert code == 2 and err == "error: --device 'foo' is not a device; use auto, cpu, cuda or cuda:N\n"
     assert not scores.exists()
+    # a saved PRM scores with its own separator and max length: other ones given are an error, not ignored unsaid
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    prm.save_prm(str(tmp_path / "prm"), model)
+    for flag, value, own in (("--max-length", "64", "1024"), ("--step-separator", "\n\n", "'\\n'")):
+        code, err = run_main(["--prm-path", str(tmp_path / "prm"), "--score-data-path", data, "--scores-output",
+                              str(scores), flag, value], capsys)
+        assert code == 2 and err.splitlines()[-1] == (  # (after transformers' progress bars)
+            f"error: {flag} {value if flag == '--max-length' else repr(value)}: {tmp_path / 'prm'} was trained "
+            f"with {own}, which scoring uses; drop the flag")
+    assert run_main(["--prm-path", str(tmp_path / "prm"), "--score-data-path", data, "--scores-output", str(scores),
+                     "--max-length", str(prm.Args().max_length)], capsys)[0] == 0  # its own value: fine
 
 
 def test_rows_to_score_are_tokenised_before_training_and_scoring(tmp_path, capsys):
     """A row of --score-data-path with a step that is no token at all (a blank step, with a separator the tokenizer
     drops) was found only when scoring, after training had written final/ and metrics.jsonl: a traceback, exit
-    code 1. Now one line naming the file, solution and prompt, exit code 2, before anything is written; scoring
-    with a saved PRM says the same before writing the scores."""
+    code 1. Now one line naming the file and line, exit code 2, before anything is written; scoring with a saved
+    PRM says the same before writing the scores. A training row with such a step is named by its file and line
+    too (it was named by its place after the shuffle); --skip-bad-rows skips both kinds, each counted."""
     from test_prm import whitespace_dropping_tokenizer
 
     tokenizer = whitespace_dropping_tokenizer()
@@ -240,17 +252,20 @@ def test_rows_to_score_are_tokenised_before_training_and_scoring(tmp_path, capsy
     prm.build_tiny_backbone(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     capsys.readouterr()  # the save's progress bar
-    train_rows = rows_file(tmp_path, *[json.dumps({"prompt": "start 3", "completions": ["3+1=4", "4-2=2"],
-                                                   "labels": [1, k % 2]}) for k in range(12)], name="train.jsonl")
+    good_rows = [json.dumps({"prompt": "start 3", "completions": ["3+1=4", "4-2=2"], "labels": [1, k % 2]})
+                 for k in range(12)]
+    train_rows = rows_file(tmp_path, *good_rows, name="train.jsonl")
     to_score = rows_file(tmp_path, '{"prompt": "start 3", "completions": ["3+1=4"]}',
-                         '{"prompt": "start 4", "completions": ["4+1=5", " "]}', name="score.jsonl")
+                         '{"prompt": "start 4", "completions": ["4+1=5", " "], "id": 2}', name="score.jsonl")
     out, scores = tmp_path / "out", tmp_path / "scores.jsonl"
     flags = [*SMALL, "--model", str(model_dir), "--data-path", train_rows, "--total-steps", "1", "--num-eval-rows",
              "0", "--score-data-path", to_score]
     code, err = run_main(["--output-dir", str(out), *flags], capsys)
     last = err.strip().splitlines()[-1]  # (after transformers' progress bar of loading the model)
-    assert code == 2 and "Traceback" not in err and last.startswith(
-        f"error: {to_score}, solution 2 (prompt 'start 4'): step 1 (' ') with the separator '\\n' is no token at all")
+    assert code == 2 and "Traceback" not in err and last == (
+        f"error: {to_score}:2: step 1 (' ') with the separator '\\n' is no token at all, so no token can carry its "
+        "label or score: this tokenizer drops the separator; remove empty steps, or pick a --step-separator that "
+        "the tokenizer keeps (--skip-bad-rows skips such rows)")
     assert not out.exists()
     to_score_well = rows_file(tmp_path, '{"prompt": "start 3", "completions": ["3+1=4"]}', name="good.jsonl")
     code, err = run_main(["--output-dir", str(out), *flags[:-1], to_score_well], capsys)
@@ -258,8 +273,27 @@ def test_rows_to_score_are_tokenised_before_training_and_scoring(tmp_path, capsy
     code, err = run_main(["--prm-path", str(out / "final"), "--score-data-path", to_score, "--scores-output",
                           str(scores)], capsys)
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(f"error: {to_score}, solution 2 (prompt 'start 4'): step 1")
-    assert not scores.exists()
+    assert err.strip().splitlines()[-1].startswith(f"error: {to_score}:2: step 1 (' ')")
+    # skipped: the row keeps its line, with why, and is counted
+    code, stdout, err = run_main(["--prm-path", str(out / "final"), "--score-data-path", to_score, "--scores-output",
+                                  str(scores), "--skip-bad-rows"], capsys, with_stdout=True)
+    assert code == 0 and f"warning: skipped {to_score}:2: step 1 (' ')" in err, err
+    assert f"scored 1 steps of 1 rows into {scores} (0 steps truncated away, 1 rows skipped)" in stdout
+    written = [json.loads(line) for line in scores.read_text().splitlines()]
+    assert len(written[0]["scores"]) == 1 and written[1]["id"] == 2 and written[1]["scores"] is None
+    assert written[1]["skipped"].startswith(f"{to_score}:2: step 1 (' ')")
+
+    # a training row: found after the shuffle, still named by its line
+    blank_step = json.dumps({"prompt": "start 4", "completions": ["4+1=5", " "], "labels": [1, 0]})
+    with_blank = rows_file(tmp_path, *good_rows[:4], blank_step, *good_rows[4:], name="blank.jsonl")
+    flags = [*SMALL, "--model", str(model_dir), "--data-path", with_blank, "--total-steps", "1", "--num-eval-rows",
+             "0", "--output-dir", str(tmp_path / "blank")]
+    code, err = run_main(flags, capsys)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {with_blank}:5: step 1 (' ')"), err
+    code, err = run_main([*flags, "--skip-bad-rows"], capsys)
+    assert code == 0 and f"warning: skipped {with_blank}:5: step 1 (' ')" in err, err
+    summary = read_summary(tmp_path / "blank")
+    assert summary["skipped_rows"] == 1 and summary["train_rows"] == 12
 
 
 @pytest.mark.parametrize("lora", [False, True])
