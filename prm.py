@@ -1688,6 +1688,11 @@ def train(args: Args) -> dict:
                         "--max-length or shorten the prompts")
     if args.epochs is not None:
         args.total_steps = max(1, math.ceil(args.epochs * len(train_examples) / args.batch_size))
+        passes = args.total_steps * args.batch_size / len(train_examples)
+        if passes > 1.5 * args.epochs:  # a step is a whole batch: fewer rows than one batch are repeated to fill it
+            print0(f"note: --epochs {args.epochs} of {len(train_examples)} training rows in steps of --batch-size "
+                   f"{args.batch_size} is {passes:.1f} passes over the rows; lower --batch-size for fewer",
+                   enabled=is_main)
 
     @functools.lru_cache(maxsize=2)
     def epoch_order(epoch: int) -> np.ndarray:

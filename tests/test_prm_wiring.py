@@ -89,6 +89,20 @@ def test_epochs_set_the_steps_and_show_each_row_as_often_as_promised(epochs, ste
     assert times_seen == Counter({2: seen_twice, 1: 40 - seen_twice}) - Counter()  # (- drops a zero count)
 
 
+def test_epochs_of_fewer_rows_than_a_batch_say_how_many_passes_they_make(tmp_path, capsys, no_matmul_probe):
+    """A step is a whole batch: --epochs 1 of 5 rows in batches of 32 is one step that shows each row 6.4 times."""
+    code, stdout, err = run_main(["--output-dir", str(tmp_path / "out"), *FEW, "--data-path", data_file(tmp_path, 5),
+                                  "--num-val-rows", "0", "--batch-size", "32", "--epochs", "1"], capsys,
+                                 with_stdout=True)
+    assert code == 0 and read_summary(tmp_path / "out")["steps"] == 1, err
+    assert ("note: --epochs 1.0 of 5 training rows in steps of --batch-size 32 is 6.4 passes over the rows; lower "
+            "--batch-size for fewer") in stdout
+    code, stdout, err = run_main(["--output-dir", str(tmp_path / "out"), "--overwrite", *FEW, "--data-path",
+                                  data_file(tmp_path, 40), "--num-val-rows", "0", "--batch-size", "8", "--epochs",
+                                  "1.1"], capsys, with_stdout=True)
+    assert code == 0 and "passes over the rows" not in stdout, err  # 6 steps of 8: 1.2 passes, as good as asked
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # --gradient-checkpointing
 
