@@ -1420,9 +1420,12 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     # than it began. Not listed: where it runs and writes, and the optimiser settings (noted once restored)
     unnoted = {"resume_from", "output_dir", "overwrite", "run_name", "world_size", "local_prompts", "learning_rate",
                "weight_decay", "adam_betas"}
+
+    def as_run(key: str, value):  # a file by its real path (the data's content is checked apart); a tuple is a list
+        return os.path.realpath(value) if key.endswith("_path") and isinstance(value, str) else json.dumps(value)
     changed = [f"--{key.replace('_', '-')} {saved.get(key, defaults[key])!r} there, {getattr(args, key)!r} here"
-               for key in defaults if key not in unnoted  # (compared as JSON, where a tuple is a list)
-               and json.dumps(saved.get(key, defaults[key])) != json.dumps(getattr(args, key))]
+               for key in defaults if key not in unnoted
+               and as_run(key, saved.get(key, defaults[key])) != as_run(key, getattr(args, key))]
     if changed:
         print0(f"note: resuming with other settings than the checkpoint's run: {'; '.join(changed)}",
                enabled=os.environ.get("RANK", "0") == "0")

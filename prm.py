@@ -1051,7 +1051,8 @@ def scoring_examples(tokenizer, prompts: list[str], steps: list[list[str]], step
             if unscorable is None:
                 raise ValueError(f"{where}: {problem}") from None
             unscorable[index] = f"{where}: {problem}"
-            print0(f"warning: skipped {where}: {problem}", file=sys.stderr, enabled=len(unscorable) <= 5)
+            print0(f"warning: skipped {where}: {problem}", file=sys.stderr,
+                   enabled=os.environ.get("RANK", "0") == "0" and len(unscorable) <= 5)
             input_ids, positions = [], []
         examples.append({"input_ids": input_ids, "positions": positions, "labels": None})
     return examples
@@ -1183,9 +1184,12 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
                "weight_decay", "adam_betas"}
     if args.epochs is not None:  # --total-steps is computed from --epochs later, and the checkpoint holds its value
         unnoted.add("total_steps")
+
+    def as_run(key: str, value):  # a file by its real path (the data's content is checked apart); a tuple is a list
+        return os.path.realpath(value) if key.endswith("_path") and isinstance(value, str) else json.dumps(value)
     changed = [f"--{key.replace('_', '-')} {saved.get(key, defaults[key])!r} there, {getattr(args, key)!r} here"
-               for key in defaults if key not in unnoted  # (compared as JSON, where a tuple is a list)
-               and json.dumps(saved.get(key, defaults[key])) != json.dumps(getattr(args, key))]
+               for key in defaults if key not in unnoted
+               and as_run(key, saved.get(key, defaults[key])) != as_run(key, getattr(args, key))]
     if changed:
         print0(f"note: resuming with other settings than the checkpoint's run: {'; '.join(changed)}",
                enabled=os.environ.get("RANK", "0") == "0")
@@ -1497,7 +1501,7 @@ def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped
             elif place < len(rows):
                 row_scores = [score if math.isfinite(score) else None for score in scores[place]]
                 not_finite += row_scores.count(None)
-                f.write(json.dumps({**rows[place], "scores": row_scores}, allow_nan=False) + "\n")
+                f.write(json.dumps({**rows[place], "scores": row_scores}) + "\n")  # (the row's own fields as given)
     os.replace(path + ".tmp", path)
     scored = [place for place in range(len(rows)) if place not in unscorable]
     written = {"rows": len(scored), "skipped_rows": len(skipped_places) + len(unscorable),

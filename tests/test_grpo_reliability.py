@@ -287,9 +287,10 @@ def test_a_checkpoint_with_one_optimiser_group_resumes_as_with_two(script, tmp_p
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])
-def test_a_run_resumes_with_its_data_file_given_by_another_path(script, tmp_path, capsys):
+def test_a_run_resumes_with_its_data_file_given_by_another_path(script, tmp_path, capsys, monkeypatch):
     """What a resume checks is the rows' content, not the path they were read from (a relative path refused a
-    resume from another directory); other rows are still refused."""
+    resume from another directory); other rows are still refused. The same file by another spelling is no change
+    worth a note."""
     import prm
     from conftest import run_script_main
     from test_prm import builtin_rows
@@ -305,6 +306,10 @@ def test_a_run_resumes_with_its_data_file_given_by_another_path(script, tmp_path
               if script == "grpo" else ["--batch-size", "4", "--num-val-rows", "0"])
     main = lambda *more: run_script_main(module.main, f"{script}.py", [*flags, *more], capsys)  # noqa: E731
     assert main("--data-path", str(tmp_path / "data.jsonl"))[0] == 0
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_script_main(module.main, f"{script}.py", [*flags, "--data-path", "data.jsonl",
+                                                                   "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0 and "note: resuming" not in out, out
     code, err = main("--data-path", str(tmp_path / "copy.jsonl"), "--resume-from", str(run / "checkpoint-1"))
     assert code == 0, err
     code, err = main("--data-path", str(tmp_path / "other.jsonl"), "--resume-from", str(run / "checkpoint-1"))

@@ -524,14 +524,16 @@ def test_scoring_skips_bad_rows_when_asked_and_keeps_their_lines(tmp_path, capsy
 
 def test_a_score_that_is_not_finite_is_written_as_null_with_a_warning(tmp_path, capsys):
     """JSON has no NaN: json.dumps' bare NaN made a scores file that strict parsers reject."""
-    rows = [{"prompt": "p", "completions": ["a", "b", "c"]}, {"prompt": "q", "completions": ["d"]}]
-    written = prm.write_scores(str(tmp_path / "scores.jsonl"), rows, [[0.25, float("nan"), float("inf")], []])
-    assert written == {"rows": 2, "skipped_rows": 0, "scored_steps": 3, "dropped_steps": 1}
+    rows = [{"prompt": "p", "completions": ["a", "b", "c"]}, {"prompt": "q", "completions": ["d"]},
+            {"prompt": "r", "completions": ["e"], "reward": float("nan")}]  # (an input row's own fields: as given)
+    written = prm.write_scores(str(tmp_path / "scores.jsonl"), rows, [[0.25, float("nan"), float("inf")], [], [0.5]])
+    assert written == {"rows": 3, "skipped_rows": 0, "scored_steps": 4, "dropped_steps": 1}
 
     def no_constants(name):
         raise ValueError(f"{name} is not JSON")
     lines = (tmp_path / "scores.jsonl").read_text().splitlines()
-    assert [json.loads(line, parse_constant=no_constants)["scores"] for line in lines] == [[0.25, None, None], []]
+    assert [json.loads(line, parse_constant=no_constants)["scores"] for line in lines[:2]] == [[0.25, None, None], []]
+    assert json.loads(lines[2])["scores"] == [0.5] and math.isnan(json.loads(lines[2])["reward"])
     assert "warning: 2 scores are not finite (written as null)" in capsys.readouterr().err
 
 
