@@ -807,7 +807,7 @@ def test_a_resume_takes_its_evaluations_from_the_checkpoint(tmp_path, capsys, mo
         return real_rewards(*args, **kwargs)
 
     monkeypatch.setattr(grpo, "compute_rewards", rewards_sending_sigterm)
-    assert run_main([*flags, "--resume-from", str(run / "checkpoint-2")], capsys)[0] == 0
+    assert run_main([*flags, "--resume-from", str(run / "checkpoint-2")], capsys)[0] == 128 + signal.SIGTERM
     monkeypatch.setattr(grpo, "compute_rewards", real_rewards)
     summary = read_summary(run)
     assert accuracies == [0.125, 0.25, 0.375] and summary["interrupted"]

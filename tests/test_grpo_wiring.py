@@ -391,7 +391,7 @@ def test_reference_policy_is_copied_only_when_needed(flags, copies, tmp_path, ca
     if "0.05" in flags:  # there is a reference, and it is not the moving policy
         assert metrics[0]["kl_mean"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["kl_mean"] > 1e-6
     else:
-        assert all(row["kl_mean"] == 0.0 for row in metrics)
+        assert not any("kl_mean" in row for row in metrics)  # no reference: no KL to report
 
 
 @pytest.mark.parametrize("share_prompts, max_new_tokens, flags", [
