@@ -992,6 +992,7 @@ def test_resume_continues_the_checkpoints_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(grpo, "answer_reward", reward_failing_in_step_3)
     code, err = run_main([*QUICK, "--total-steps", "3", "--resume-from", str(run / "checkpoint-1")], capsys)
     assert code == 2 and "RuntimeError: stop" in err
+    monkeypatch.undo()
     assert not (run / "final").exists() and not (run / "summary.json").exists()
 
     # a checkpoint resumed into another directory that holds a run would overwrite that run

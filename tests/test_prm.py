@@ -1,14 +1,16 @@
-"""prm.py: the loss kernel, tokenisation and metrics in-process; training, saving and scoring end to end as
-subprocesses, as a user would launch them."""
+"""prm.py: the loss kernel, tokenisation and metrics; training, saving and scoring end to end through its command
+line, as a user would launch them."""
 
+import contextlib
+import io
 import json
 import math
 import os
 import random
 import re
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,11 +28,29 @@ SUMMARY_KEYS = {"steps", "total_time_s", "step_time_s_mean", "tokens_per_s", "pe
                 "eval_first_error_f1_start", "eval_first_error_f1_end", "dropped_steps", "dropped_rows"}
 
 
-def run_prm(*flags: str, expect_rc: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
-    # One thread: the tiny model gains nothing from more, and on a shared CPU two threads waiting on each other
-    # can make a step 100x slower.
-    process = subprocess.run([sys.executable, "prm.py", *flags], cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=timeout, env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
+def run_prm(*flags: str, expect_rc: int = 0) -> SimpleNamespace:
+    """`python prm.py FLAGS` in this process (the same main() on the same argv, without the 5 s of starting Python
+    and importing torch and transformers again): (returncode, stdout, stderr). One thread, as OMP_NUM_THREADS=1
+    gives a process: the tiny model gains nothing from more, and on a shared CPU two threads waiting on each other
+    can make a step 100x slower."""
+    stdout, stderr, saved_argv, saved_mode = io.StringIO(), io.StringIO(), sys.argv, os.environ.get("WANDB_MODE")
+    saved_threads = torch.get_num_threads()
+    sys.argv, os.environ["WANDB_MODE"] = ["prm.py", *flags], "disabled"
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            prm.main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        sys.argv = saved_argv
+        torch.set_num_threads(saved_threads)
+        if saved_mode is None:
+            os.environ.pop("WANDB_MODE")
+        else:
+            os.environ["WANDB_MODE"] = saved_mode
+    process = SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
     assert process.returncode == expect_rc, (f"rc {process.returncode}\n{process.stdout[-3000:]}\n"
                                              f"{process.stderr[-3000:]}")
     return process
@@ -647,7 +667,7 @@ def test_packing_is_refused_for_a_backbone_that_carries_state_across_examples():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# End to end, as subprocesses
+# End to end, through the command line
 
 
 def test_default_run_few_steps(tmp_path):
@@ -809,7 +829,7 @@ def test_skip_bad_rows_counts_and_skips(tmp_path):
 @pytest.mark.slow
 def test_default_run_learns_to_check_steps(tmp_path):
     out = tmp_path / "run"
-    run_prm("--output-dir", str(out), timeout=900)
+    run_prm("--output-dir", str(out))
     summary = read_summary(out)
     assert summary["eval_auroc_start"] < 0.8
     # seeds 1-5 end at AUROC 0.928-1.000 and first-error F1 0.760-0.995 (seed 1, the default: 0.999 and 0.993)
