@@ -1356,8 +1356,14 @@ def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: dict
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump({"script": "grpo.py", **asdict(args)}, f, indent=2)
     torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
-    remove_directory(path)
+    # the old version is moved aside, the new one put in its place, and only then is the old one deleted (slow for
+    # a large model): a kill at any point leaves a complete version under the name (or, between the two renames,
+    # as path.old, which a save at this step cleans up)
+    if os.path.exists(path):
+        shutil.rmtree(path + ".old", ignore_errors=True)
+        os.replace(path, path + ".old")
     os.replace(temporary, path)
+    shutil.rmtree(path + ".old", ignore_errors=True)
 
 
 def checkpoint_steps(output_dir: str) -> list[int]:
@@ -1556,7 +1562,9 @@ def train(args: Args) -> dict:
     resume_path = resolve_resume(args, output_dir)
     resuming_here = resume_path is not None and os.path.realpath(os.path.dirname(
         os.path.abspath(resume_path.rstrip("/")))) == os.path.realpath(output_dir)
-    if not resuming_here and os.path.isfile(os.path.join(output_dir, "metrics.jsonl")) and not args.overwrite:
+    holds_run = any(os.path.exists(os.path.join(output_dir, name)) for name in (
+        "metrics.jsonl", "summary.json", "final")) or bool(checkpoint_steps(output_dir))  # (any part of a run)
+    if not resuming_here and holds_run and not args.overwrite:
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
                         "to continue it, or another --output-dir")
     if args.lora_r > 0 and os.path.isdir(args.model):

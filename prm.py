@@ -945,8 +945,14 @@ def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Op
         with open(os.path.join(temporary, "args.json"), "w") as f:
             json.dump({"script": "prm.py", **asdict(args)}, f, indent=2)
         torch.save(trainer_state, os.path.join(temporary, "trainer_state.pt"))
-    remove_directory(path)  # a kill from here on leaves the complete new one beside the name, or under it
+    # the old version is moved aside, the new one put in its place, and only then is the old one deleted (slow for
+    # a large model): a kill at any point leaves a complete version under the name (or, between the two renames,
+    # as path.old, which a save at this step cleans up)
+    if os.path.exists(path):
+        shutil.rmtree(path + ".old", ignore_errors=True)
+        os.replace(path, path + ".old")
     os.replace(temporary, path)
+    shutil.rmtree(path + ".old", ignore_errors=True)
 
 
 def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False) -> ProcessRewardModel:
@@ -1764,9 +1770,13 @@ def train(args: Args) -> dict:
                             f"({type(error).__name__}: {str(error).strip().splitlines()[0]})") from None
         # nothing left to train: the final model and summary stay as they are (without final/ of that step, the run
         # was stopped by a signal in its last step, or is resumed from an earlier checkpoint: it writes its own)
+        # (latest is the newest checkpoint, and a finished run's final/ may be newer: it holds no trainer state)
         finished = os.path.isfile(os.path.join(output_dir, "summary.json"))  # (killed in the final evaluation: not)
-        if start_step >= args.total_steps and final_step(output_dir) == start_step and finished:
-            print0(f"{resume_path} is at step {start_step}: the run already reached --total-steps {args.total_steps}; "
+        reached = final_step(output_dir)
+        if finished and reached is not None and reached >= args.total_steps and (
+                reached == start_step or (args.resume_from == "latest" and reached > start_step)):
+            where = resume_path if reached == start_step else os.path.join(output_dir, "final")
+            print0(f"{where} is at step {reached}: the run already reached --total-steps {args.total_steps}; "
                    "nothing to do (raise --total-steps or --epochs to train further)", enabled=is_main)
             if distributed:
                 dist.destroy_process_group()

@@ -135,7 +135,7 @@ def test_a_run_without_held_out_prompts_prints_no_evaluation(tmp_path, capsys):
     assert code == 0, err
     step_lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert "eval accuracy" not in out and len(step_lines) == 3 and not any("eval_acc" in line for line in step_lines)
-    assert not any("eval_accuracy" in row for row in read_metrics(out_dir))
+    assert not any("eval_accuracy" in row for row in read_metrics(out_dir)) and read_eval_rows(out_dir) == []
     assert read_summary(out_dir)["eval_accuracy_end"] is None  # NaN, written as null
 
 
@@ -362,6 +362,10 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     assert code == 0 and len(read_metrics(out)) == 1
     assert not (out / "checkpoint-7").exists()  # the old run's files are gone
     assert (out / "notes.txt").read_text() == "mine"  # and nothing else was touched
+    # any part of a run counts: without its metrics.jsonl, a new run mixed with its final model and checkpoints
+    (out / "metrics.jsonl").unlink()
+    code, err = run_main(["--output-dir", str(out), *QUICK], capsys)
+    assert code == 2 and "already holds a run" in err
 
 
 def test_resume_refuses_another_scripts_or_models_checkpoint(tmp_path, capsys):
@@ -989,10 +993,10 @@ def test_resume_continues_the_checkpoints_run(tmp_path, capsys, monkeypatch):
             raise RuntimeError("stop")
         return 1.0
 
-    monkeypatch.setattr(grpo, "answer_reward", reward_failing_in_step_3)
-    code, err = run_main([*QUICK, "--total-steps", "3", "--resume-from", str(run / "checkpoint-1")], capsys)
+    with monkeypatch.context() as patch:
+        patch.setattr(grpo, "answer_reward", reward_failing_in_step_3)
+        code, err = run_main([*QUICK, "--total-steps", "3", "--resume-from", str(run / "checkpoint-1")], capsys)
     assert code == 2 and "RuntimeError: stop" in err
-    monkeypatch.undo()
     assert not (run / "final").exists() and not (run / "summary.json").exists()
 
     # a checkpoint resumed into another directory that holds a run would overwrite that run
@@ -1116,3 +1120,39 @@ def test_a_prompt_of_no_tokens_is_refused():
     assert grpo.encode_prompts(NoBos(), ["ab", "c"], True, 8) == [[97, 98], [99]]
     with pytest.raises(grpo.UserError, match="prompt 1 encodes to no tokens"):
         grpo.encode_prompts(NoBos(), ["ab", ""], True, 8)
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_a_save_killed_while_deleting_the_old_version_leaves_the_new_one_under_its_name(script, tmp_path,
+                                                                                         monkeypatch):
+    """The old version was deleted (slow, for a large model) before the new one took its name: a kill then left
+    only final.old, half deleted, and final.tmp, and a resume found no final model at all."""
+    import shutil
+
+    import prm
+
+    path, real_rmtree = tmp_path / "final", shutil.rmtree
+    if script == "grpo":
+        tokenizer = grpo.build_tiny_tokenizer()
+        model = grpo.build_tiny_model(tokenizer)
+        save = lambda step: grpo.save_checkpoint(str(path), model, tokenizer, grpo.Args(), {"step": step},  # noqa: E731
+                                                 {})
+        step_of = lambda: torch.load(path / "trainer_state.pt", weights_only=True)["step"]  # noqa: E731
+    else:
+        model, _ = prm.build_prm(prm.Args(), torch.float32)
+        save = lambda step: prm.save_prm(str(path), model, step=step)  # noqa: E731
+        step_of = lambda: prm.final_step(str(tmp_path))  # noqa: E731
+    save(1)
+
+    def killed_while_deleting_the_old_one(target, *args, **kwargs):
+        if str(target).endswith(".old") and os.path.exists(target):
+            raise KeyboardInterrupt
+        return real_rmtree(target, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_while_deleting_the_old_one)
+    with pytest.raises(KeyboardInterrupt):
+        save(2)
+    assert step_of() == 2 and (tmp_path / "final.old").exists()
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    save(3)  # a later save at the same name cleans up
+    assert step_of() == 3 and not (tmp_path / "final.old").exists()

@@ -1,18 +1,16 @@
 """grpo.py end to end: short CPU runs of its command line, as a user would launch them."""
 
-import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import grpo
+from conftest import run_in_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--total-steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
@@ -21,28 +19,13 @@ QUICK = ["--total-steps", "3", "--prompts-per-step", "4", "--group-size", "4", "
 
 def run_grpo(output_dir: Path, *flags: str, env: dict | None = None, expect_rc: int = 0, timeout: int = 300):
     """`python grpo.py --output-dir OUTPUT_DIR FLAGS`: (returncode, stdout, stderr). With env (variables read when
-    torch is imported, such as TORCH_LOGS) in a subprocess, else in this process: the same main() on the same
-    argv, without the 5 s of starting Python and importing torch and transformers again (3.7 s of a 4.3 s run)."""
+    torch is imported, such as TORCH_LOGS) in a subprocess, else in this process (run_in_process)."""
+    argv = ["--output-dir", str(output_dir), *flags]
     if env is not None:
-        process = subprocess.run([sys.executable, "grpo.py", "--output-dir", str(output_dir), *flags],
-                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                                 env={**os.environ, "WANDB_MODE": "disabled", **env})
+        process = subprocess.run([sys.executable, "grpo.py", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                                 timeout=timeout, env={**os.environ, "WANDB_MODE": "disabled", **env})
     else:
-        stdout, stderr, saved_argv, saved_mode = io.StringIO(), io.StringIO(), sys.argv, os.environ.get("WANDB_MODE")
-        sys.argv, os.environ["WANDB_MODE"] = ["grpo.py", "--output-dir", str(output_dir), *flags], "disabled"
-        try:
-            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-                grpo.main()
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code
-        finally:
-            sys.argv = saved_argv
-            if saved_mode is None:
-                os.environ.pop("WANDB_MODE")
-            else:
-                os.environ["WANDB_MODE"] = saved_mode
-        process = SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
+        process = run_in_process(grpo, argv, timeout)
     assert process.returncode == expect_rc, (f"rc {process.returncode}\n{process.stdout[-3000:]}\n"
                                              f"{process.stderr[-3000:]}")
     return process
@@ -95,7 +78,8 @@ def test_default_task_few_steps(tmp_path):
     process = run_grpo(out, *QUICK, "--kl-coef", "0")
     summary = read_summary(out)
     assert SUMMARY_KEYS <= summary.keys()
-    assert summary["steps"] == 3 and summary["peak_memory_mb"] > 0 and summary["generated_tokens_per_s"] > 0
+    assert summary["steps"] == 3 and summary["generated_tokens_per_s"] > 0
+    assert summary["peak_memory_mb"] >= max(row["memory_mb"] for row in read_metrics(out))  # a peak of the samples
     # on CPU: model FLOP/s against the matmul throughput measured in the same run
     assert summary["matmul_tflops_measured"] > 0 and 0 < summary["flop_floor_fraction"] < 1.5
     assert summary["flop_floor_fraction"] == pytest.approx(

@@ -720,6 +720,19 @@ def test_resume_refuses_another_scripts_models_or_runs_checkpoint(tmp_path, caps
     assert sorted(p.name for p in source.iterdir()) == ["checkpoint-1", "final", "metrics.jsonl", "summary.json"]
 
 
+def test_resuming_latest_of_a_run_finished_past_its_last_checkpoint_changes_nothing(tmp_path, capsys):
+    """`latest` is the newest checkpoint (a final PRM holds no trainer state): step 2 of a run that finished at 3.
+    The resume retrained step 3, deleting the finished final/ and summary.json first."""
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "3",
+             "--save-every", "2"]
+    assert run_main(flags, capsys)[0] == 0
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    code, stdout, err = run_main([*flags, "--resume-from", "latest"], capsys, with_stdout=True)
+    assert code == 0 and f"{out / 'final'} is at step 3: the run already reached --total-steps 3; nothing" in stdout
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+
+
 def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "2",
