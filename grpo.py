@@ -1871,7 +1871,9 @@ def train(args: Args) -> dict:
     # minutes)
     stop_signal = []
     # the command a stopped run's resume hint names
-    rerun = f"{'torchrun <its flags>' if distributed else 'python'} grpo.py <the same flags> --output-dir {output_dir}"
+    # (latest: the checkpoint a stop writes is the newest; the directory absolute, to work from anywhere)
+    rerun = (f"{'torchrun <its flags>' if distributed else 'python'} {sys.argv[0]} <the same flags> --output-dir "
+             f"{os.path.abspath(output_dir)} --resume-from latest")
 
     def stop_after_this_step(sig, frame):
         stop_signal.append(sig)
@@ -2160,8 +2162,8 @@ def train(args: Args) -> dict:
             if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
                 path = checkpoint(step + 1)
             if interrupted:
-                print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: {rerun} "
-                       f"--resume-from {path}", enabled=is_main)
+                print0(f"stopped by a signal after step {step + 1}; {path} saved; continue with: {rerun}",
+                       enabled=is_main)
                 break
         total_time = time.perf_counter() - run_start
         if not interrupted:
@@ -2179,8 +2181,8 @@ def train(args: Args) -> dict:
     if distributed:  # every process takes the same way (under FSDP every one evaluates)
         dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
     if not interrupted and stopped.item() > 0:
-        print0(f"stopped by a signal after saving the final model; for the final evaluation and summary: {rerun} "
-               f"--resume-from latest", enabled=is_main)
+        print0(f"stopped by a signal after saving the final model; for the final evaluation and summary: {rerun}",
+               enabled=is_main)
         logger.close()
         if distributed:
             dist.destroy_process_group()

@@ -1288,9 +1288,12 @@ def file_in_the_way(path: str) -> Optional[str]:
     return None if os.path.isdir(existing) else existing
 
 
-def check_scores_output(path: str) -> None:
-    """--scores-output must name a file that can be written (its directory is created if missing): checked before
-    any training or scoring, which would otherwise fail only at the end."""
+def check_scores_output(path: str, rows_path: str) -> None:
+    """--scores-output must name a file that can be written (its directory is created if missing), other than the
+    rows it scores: checked before any training or scoring, which would otherwise fail only at the end."""
+    if os.path.realpath(path) == os.path.realpath(rows_path):  # (skipped rows would lose their content)
+        raise UserError(f"--scores-output {path} is the --score-data-path file: the scores would replace the rows "
+                        "they score; give another path")
     if os.path.isdir(path):
         raise UserError(f"--scores-output {path} is a directory; give a file path, e.g. "
                         f"{os.path.join(path, 'scores.jsonl')}")
@@ -1355,7 +1358,7 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.scores_output is None or args.score_data_path is not None, "--scores-output is where the scores of "
           "--score-data-path's rows go: give --score-data-path rows.jsonl too, or drop --scores-output")
     if args.scores_output is not None:
-        check_scores_output(args.scores_output)
+        check_scores_output(args.scores_output, args.score_data_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1525,7 +1528,7 @@ def score_file(args: Args) -> dict:
     """--prm-path mode: score every row of --score-data-path with a saved PRM and write --scores-output."""
     if args.score_data_path is None or args.scores_output is None:
         raise UserError("--prm-path scores a file: give --score-data-path rows.jsonl and --scores-output out.jsonl")
-    check_scores_output(args.scores_output)
+    check_scores_output(args.scores_output, args.score_data_path)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every process would score every row into the same file
         raise UserError("--prm-path scores in one process: run it with python prm.py, not torchrun")
     device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -1916,7 +1919,9 @@ def train(args: Args) -> dict:
     # SIGINT goes to the handler there was before (a second Ctrl-C stops at once, without a checkpoint)
     stop_signal = []
     # the command a stopped run's resume hint names
-    rerun = f"{'torchrun <its flags>' if distributed else 'python'} prm.py <the same flags> --output-dir {output_dir}"
+    # (latest: the checkpoint a stop writes is the newest; the directory absolute, to work from anywhere)
+    rerun = (f"{'torchrun <its flags>' if distributed else 'python'} {sys.argv[0]} <the same flags> --output-dir "
+             f"{os.path.abspath(output_dir)} --resume-from latest")
 
     def stop_after_this_step(sig, frame):
         stop_signal.append(sig)
@@ -2016,8 +2021,8 @@ def train(args: Args) -> dict:
             if (args.save_every and (step + 1) % args.save_every == 0) or interrupted:
                 path = checkpoint(step + 1)
             if interrupted:
-                print0(f"stopped by a signal after step {step + 1}; checkpoint saved; continue with: {rerun} "
-                       f"--resume-from {path}", enabled=is_main)
+                print0(f"stopped by a signal after step {step + 1}; {path} saved; continue with: {rerun}",
+                       enabled=is_main)
                 break
         total_time = time.perf_counter() - run_start
         if evaluates and not interrupted:
@@ -2040,8 +2045,8 @@ def train(args: Args) -> dict:
         dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
     if not interrupted and stopped.item() > 0:  # (a final PRM holds no trainer state: a checkpoint beside it does)
         path = checkpoint(start_step + len(step_times))
-        print0(f"stopped by a signal after saving the final model; for the final evaluation, scores and summary: "
-               f"{rerun} --resume-from {path}", enabled=is_main)
+        print0(f"stopped by a signal after saving the final model and {path}; for the final evaluation, scores and "
+               f"summary: {rerun}", enabled=is_main)
         logger.close()
         if distributed:
             dist.destroy_process_group()

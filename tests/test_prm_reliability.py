@@ -222,6 +222,9 @@ def test_scoring_mode_bad_inputs(tmp_path, capsys):
     code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(tmp_path)],
                          capsys)
     assert code == 2 and f"--scores-output {tmp_path} is a directory" in err and err.count("\n") == 1
+    code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output",
+                          str(tmp_path / "." / "rows.jsonl")], capsys)
+    assert code == 2 and "is the --score-data-path file: the scores would replace the rows they score" in err
     code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(scores),
                           "--device", "foo"], capsys)
     assert code == 2 and err == "error: --device 'foo' is not a device; use auto, cpu, cuda or cuda:N\n"
@@ -1039,7 +1042,8 @@ def test_sigint_finishes_the_step_then_checkpoints(tmp_path, capsys, monkeypatch
     code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path),
                                   "--total-steps", "10"], capsys, with_stdout=True)
     assert code == 128 + signal.SIGINT, err
-    assert "stopped by a signal after step 2" in stdout and f"--resume-from {out / 'checkpoint-2'}" in stdout
+    assert (f"stopped by a signal after step 2; {out / 'checkpoint-2'} saved; continue with: python prm.py <the same "
+            f"flags> --output-dir {out} --resume-from latest") in stdout
     assert prm.checkpoint_steps(str(out)) == [2] and len(read_metrics(out)) == 2
     assert not (out / "final").exists() and read_summary(out)["interrupted"] is True
     assert read_summary(out)["stop_signal"] == "SIGINT"  # and the exit status is 130, as for a process it ended
