@@ -1406,16 +1406,25 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
         newest_is_final = final is not None and (not steps or final > steps[-1])
         path = os.path.join(output_dir, "final" if newest_is_final else f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
+    if not os.path.isdir(path):
+        raise UserError(f"--resume-from {path} does not exist: pass a checkpoint-STEP or final directory of a run, or "
+                        "latest (the newest in --output-dir)")
     if os.path.isfile(args_file) and not os.path.isfile(os.path.join(path, "trainer_state.pt")):
-        raise UserError(f"--resume-from {path}: a final model written before final models kept their trainer state: "
-                        f"it cannot be continued, but a new run can start from it (--model {path})")
+        raise UserError(f"--resume-from {path}: no trainer_state.pt in it (a copy cut short, or a final model written "
+                        f"before final models kept their trainer state): it cannot be continued, but a new run can "
+                        f"start from its weights (--model {path})")
     if not os.path.isfile(args_file):
         raise UserError(f"--resume-from {path}: not a checkpoint written by grpo.py (no args.json and "
                         "trainer_state.pt in it)")
-    with open(args_file) as f:
-        saved = json.load(f)
-    if saved.get("script") != "grpo.py":
-        raise UserError(f"--resume-from {path}: this checkpoint was written by {saved.get('script')}, not grpo.py")
+    try:
+        with open(args_file) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        raise UserError(f"--resume-from {path}: cannot read its args.json ({error})") from None
+    if not isinstance(saved, dict) or saved.get("script") != "grpo.py":
+        script = saved.get("script") if isinstance(saved, dict) else None
+        raise UserError(f"--resume-from {path}: this checkpoint was written by {script or 'another program'}, not "
+                        "grpo.py")
     defaults = {field.name: field.default for field in fields(Args)}  # for a flag newer than the checkpoint
     different = [f"--{key.replace('_', '-')} {saved.get(key, defaults[key])!r} there, {getattr(args, key)!r} here"
                  for key in RESUME_MUST_MATCH if saved.get(key, defaults[key]) != getattr(args, key)]
@@ -1599,10 +1608,15 @@ def train(args: Args) -> dict:
             # identical policy's; a KL gradient of pure rounding noise that AdamW would turn into full-size steps
             reference = copy.deepcopy(model).eval()
         if resume_path:
+            from safetensors import SafetensorError
             from safetensors.torch import load_file
 
-            missing, unexpected = model.load_state_dict(load_file(os.path.join(resume_path, "model.safetensors")),
-                                                        strict=False)
+            try:
+                weights = load_file(os.path.join(resume_path, "model.safetensors"))
+            except (OSError, SafetensorError) as error:  # missing, or cut short by a copy
+                raise UserError(f"--resume-from {resume_path}: cannot read its model.safetensors ({error}); resume "
+                                "from another checkpoint") from None
+            missing, unexpected = model.load_state_dict(weights, strict=False)
             tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(
                 dict(model.named_parameters()))  # tied weights are saved once
             if unexpected or set(missing) - tied:
@@ -1693,7 +1707,12 @@ def train(args: Args) -> dict:
     resumed_wandb_id = resumed_wandb_group = None  # with --track, a resume logs into the checkpoint's wandb run
     if resume_path:
         # (on the CPU first: the optimiser's load puts each state beside its parameter, on this process's device)
-        state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        except Exception as error:  # torch.load raises many kinds (EOFError, UnpicklingError, RuntimeError)
+            raise UserError(f"--resume-from {resume_path}: cannot read its trainer_state.pt ({type(error).__name__}: "
+                            f"{str(error).strip().splitlines()[0] if str(error).strip() else 'corrupt file'}); "
+                            "resume from another checkpoint") from None
         resumed_wandb_id, resumed_wandb_group = state.get("wandb_id"), state.get("wandb_group")
         if state.get("dtype", str(dtype)) != str(dtype):  # (bf16 `auto` on a GPU, float32 on a CPU)
             raise UserError(f"--resume-from {resume_path}: the checkpoint's run computed in {state['dtype']}, this "
@@ -1774,7 +1793,7 @@ def train(args: Args) -> dict:
                 lines = f.readlines()
             if lines and not lines[-1].endswith("\n"):  # torn by a crash mid-write (after the checkpoint): dropped
                 lines.pop()
-            logged = [(line, json.loads(line)) for line in lines]
+            logged = [(line, json.loads(line)) for line in lines if line.strip()]
             kept = [line for line, row in logged if row["step"] <= start_step and not (
                 redoes_final_evaluation and row["step"] == start_step and "step_time_s" not in row)]
             with open(metrics_path, "w") as f:

@@ -1166,6 +1166,12 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
                             "--overwrite")
         path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
+    if not os.path.isdir(path):
+        raise UserError(f"--resume-from {path} does not exist: pass a checkpoint-STEP directory of a run, or latest "
+                        "(the newest in --output-dir)")
+    if os.path.isfile(os.path.join(path, "prm_config.json")) and not os.path.isfile(args_file):
+        raise UserError(f"--resume-from {path}: a final PRM holds no trainer state, only a checkpoint can be resumed "
+                        "(latest: the newest); a new run can start from its weights (--model)")
     if not os.path.isfile(args_file) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
         raise UserError(f"--resume-from {path}: not a checkpoint written by prm.py (no args.json and "
                         "trainer_state.pt in it)")

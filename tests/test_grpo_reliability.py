@@ -84,6 +84,8 @@ BAD_INPUTS = {
                           "--kl-ratio-weighted weights the KL penalty by the ratio: it needs --kl-coef above 0"),
     "ratio-weighted without KL": (lambda tmp: ["--kl-ratio-weighted", "--kl-coef", "0"], "k2 times the ratio"),
     "resume from nothing": (lambda tmp: ["--resume-from", str(tmp)], "not a checkpoint written by grpo.py"),
+    "resume from a missing path": (lambda tmp: ["--resume-from", str(tmp / "run" / "checkpoint-3")],
+                                   "checkpoint-3 does not exist: pass a checkpoint-STEP or final directory"),
     "not utf-8": (lambda tmp: ["--data-path", latin1_file(tmp)], "rows.jsonl:2: not UTF-8 text"),
     "data path is a directory": (lambda tmp: ["--data-path", str(tmp)], "is a directory; pass a JSONL file"),
     "prompt too long, named by line": (
@@ -366,6 +368,32 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     (out / "metrics.jsonl").unlink()
     code, err = run_main(["--output-dir", str(out), *QUICK], capsys)
     assert code == 2 and "already holds a run" in err
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_damage(tmp_path, capsys):
+    """Cut short by a copy, or a file missing: each was a traceback (exit 1)."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert run_main(["--output-dir", str(run), *QUICK, "--total-steps", "1", "--save-every", "1"], capsys)[0] == 0
+    for name, damage, message in (
+            ("model.safetensors", lambda path: path.write_bytes(path.read_bytes()[:100]),
+             "cannot read its model.safetensors"),
+            ("trainer_state.pt", lambda path: path.write_bytes(path.read_bytes()[:100]),
+             "cannot read its trainer_state.pt"),
+            ("trainer_state.pt", lambda path: path.unlink(), "no trainer_state.pt in it (a copy cut short"),
+            ("args.json", lambda path: path.write_text("{"), "cannot read its args.json")):
+        damaged = tmp_path / "damaged" / "checkpoint-1"
+        shutil.rmtree(damaged.parent, ignore_errors=True)
+        shutil.copytree(run / "checkpoint-1", damaged)
+        damage(damaged / name)
+        code, err = run_main(["--output-dir", str(tmp_path / "damaged"), *QUICK, "--resume-from", str(damaged)],
+                             capsys)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    # a blank line in metrics.jsonl (an editor's) is no row: the resume goes on
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("\n")
+    assert run_main(["--output-dir", str(run), *QUICK, "--total-steps", "2", "--resume-from", "latest"], capsys)[0] == 0
 
 
 def test_resume_refuses_another_scripts_or_models_checkpoint(tmp_path, capsys):

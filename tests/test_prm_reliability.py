@@ -143,6 +143,8 @@ BAD_INPUTS = {
                             "not a checkpoint written by prm.py"),
     "resume latest, no checkpoint": (lambda tmp: ["--resume-from", "latest"], "--resume-from latest",
                                      "no checkpoint-* directory"),
+    "resume from a missing path": (lambda tmp: ["--resume-from", str(tmp / "run" / "checkpoint-3")],
+                                   "checkpoint-3", "does not exist: pass a checkpoint-STEP directory"),
 }
 
 
