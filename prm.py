@@ -1160,6 +1160,10 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     path = args.resume_from
     if path == "latest":
         steps = checkpoint_steps(output_dir)
+        if not steps and os.path.isfile(os.path.join(output_dir, "summary.json")):
+            raise UserError(f"--resume-from latest: the run in {output_dir} finished without a checkpoint (a final PRM "
+                            "holds no trainer state); to train it further, start a new run from its weights: --model "
+                            f"{os.path.join(output_dir, 'final')} and another --output-dir")
         if not steps:
             raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir}: pass the run's "
                             "--output-dir, or, for a run stopped before its first checkpoint, start it again with "
@@ -2044,8 +2048,8 @@ def train(args: Args) -> dict:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
-    # ---- final evaluation, scores, benchmark summary (an interrupted run leaves only its checkpoint); skipped after
-    # a stop signal during the final save (a resume runs them)
+    # ---- final evaluation, scores, benchmark summary (an interrupted run: its checkpoint and a summary saying so);
+    # skipped after a stop signal during the final save (a resume runs them)
     stopped = torch.tensor([float(len(stop_signal))], device=device)
     if distributed:  # every process takes the same way (under FSDP every one evaluates)
         dist.all_reduce(stopped, op=dist.ReduceOp.MAX)

@@ -725,6 +725,16 @@ def test_resume_refuses_another_scripts_models_or_runs_checkpoint(tmp_path, caps
     assert sorted(p.name for p in source.iterdir()) == ["checkpoint-1", "final", "metrics.jsonl", "summary.json"]
 
 
+def test_resuming_latest_of_a_run_finished_without_checkpoints_points_to_its_final_model(tmp_path, capsys):
+    """The advice was to start again with --overwrite, which would delete the finished run."""
+    out = tmp_path / "out"
+    flags = ["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps", "1"]
+    assert run_main(flags, capsys)[0] == 0
+    code, err = run_main([*flags, "--resume-from", "latest"], capsys)
+    assert code == 2 and "finished without a checkpoint" in err and f"--model {out / 'final'}" in err, err
+    assert "--overwrite" not in err
+
+
 def test_resuming_latest_of_a_run_finished_past_its_last_checkpoint_changes_nothing(tmp_path, capsys):
     """`latest` is the newest checkpoint (a final PRM holds no trainer state): step 2 of a run that finished at 3.
     The resume retrained step 3, deleting the finished final/ and summary.json first."""
