@@ -1378,11 +1378,12 @@ def checkpoint_steps(output_dir: str) -> list[int]:
 def final_step(output_dir: str) -> Optional[int]:
     """The step of output_dir/final, None when there is none. A final model is written only when a run reaches
     its --total-steps."""
-    args_file = os.path.join(output_dir, "final", "args.json")
-    if not os.path.isfile(args_file):
+    try:
+        with open(os.path.join(output_dir, "final", "args.json")) as f:
+            step = json.load(f).get("total_steps")
+    except (OSError, ValueError, AttributeError):  # none, or damaged: no final model to count on
         return None
-    with open(args_file) as f:
-        return json.load(f)["total_steps"]
+    return step if isinstance(step, int) else None
 
 
 # what a checkpoint must agree on with the run that resumes from it
@@ -1406,7 +1407,7 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
         newest_is_final = final is not None and (not steps or final > steps[-1])
         path = os.path.join(output_dir, "final" if newest_is_final else f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
-    if not os.path.isdir(path):
+    if not os.path.exists(path):
         raise UserError(f"--resume-from {path} does not exist: pass a checkpoint-STEP or final directory of a run, or "
                         "latest (the newest in --output-dir)")
     if os.path.isfile(args_file) and not os.path.isfile(os.path.join(path, "trainer_state.pt")):
@@ -1594,11 +1595,17 @@ def train(args: Args) -> dict:
     vocab_size = token_id_limit(tokenizer, eos_ids)  # the sampler and every log-prob see these ids only
     reference = None
     tiny_base = copy.deepcopy(model) if args.lora_r > 0 and args.model == "tiny" else None  # see save_checkpoint
+    from safetensors import SafetensorError  # (a checkpoint's weights file cut short)
+
     if args.lora_r > 0:
         if resume_path:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, resume_path, is_trainable=True)
+            try:
+                model = PeftModel.from_pretrained(model, resume_path, is_trainable=True)
+            except (OSError, ValueError, SafetensorError) as error:  # missing, or cut short by a copy
+                raise UserError(f"--resume-from {resume_path}: cannot read its LoRA adapter ({error}); resume from "
+                                "another checkpoint") from None
         else:
             model = apply_lora(model, args)
     else:
@@ -1608,7 +1615,6 @@ def train(args: Args) -> dict:
             # identical policy's; a KL gradient of pure rounding noise that AdamW would turn into full-size steps
             reference = copy.deepcopy(model).eval()
         if resume_path:
-            from safetensors import SafetensorError
             from safetensors.torch import load_file
 
             try:
@@ -1890,9 +1896,10 @@ def train(args: Args) -> dict:
     # minutes)
     stop_signal = []
     # the command a stopped run's resume hint names
-    # (latest: the checkpoint a stop writes is the newest; the directory absolute, to work from anywhere)
-    rerun = (f"{'torchrun <its flags>' if distributed else 'python'} {sys.argv[0]} <the same flags> --output-dir "
-             f"{os.path.abspath(output_dir)} --resume-from latest")
+    # (latest: the checkpoint a stop writes is the newest; the script and directory absolute, to work from
+    # anywhere)
+    rerun = (f"{'torchrun <its flags>' if distributed else 'python'} {os.path.abspath(sys.argv[0])} <the same flags> "
+             f"--output-dir {os.path.abspath(output_dir)} --resume-from latest")
 
     def stop_after_this_step(sig, frame):
         stop_signal.append(sig)

@@ -1153,6 +1153,19 @@ RESUME_MUST_MATCH = ("model", "num_val_rows", "step_separator", "max_length", "l
                      "lora_target_modules", "loss_kind", "batch_size", "seed", "fsdp")
 
 
+def train_further(final_dir: str) -> str:
+    """What to do with a final PRM to train it further, which --resume-from cannot take."""
+    try:
+        with open(os.path.join(final_dir, "prm_config.json")) as f:
+            lora = json.load(f).get("lora")
+    except (OSError, ValueError, AttributeError):
+        lora = None
+    if lora:  # (--model refuses an adapter: peft would stack a new one on it)
+        return ("its LoRA adapter can go on only from a checkpoint of its run: train again with --save-every to keep "
+                "some")
+    return f"to train it further, start a new run from its weights: --model {final_dir} and another --output-dir"
+
+
 def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     """The checkpoint directory to resume from (`latest` = the newest in --output-dir), checked against args."""
     if args.resume_from is None:
@@ -1162,20 +1175,19 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
         steps = checkpoint_steps(output_dir)
         if not steps and os.path.isfile(os.path.join(output_dir, "summary.json")):
             raise UserError(f"--resume-from latest: the run in {output_dir} finished without a checkpoint (a final PRM "
-                            "holds no trainer state); to train it further, start a new run from its weights: --model "
-                            f"{os.path.join(output_dir, 'final')} and another --output-dir")
+                            f"holds no trainer state); {train_further(os.path.join(output_dir, 'final'))}")
         if not steps:
             raise UserError(f"--resume-from latest: no checkpoint-* directory in {output_dir}: pass the run's "
                             "--output-dir, or, for a run stopped before its first checkpoint, start it again with "
                             "--overwrite")
         path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
     args_file = os.path.join(path, "args.json")
-    if not os.path.isdir(path):
+    if not os.path.exists(path):
         raise UserError(f"--resume-from {path} does not exist: pass a checkpoint-STEP directory of a run, or latest "
                         "(the newest in --output-dir)")
     if os.path.isfile(os.path.join(path, "prm_config.json")) and not os.path.isfile(args_file):
         raise UserError(f"--resume-from {path}: a final PRM holds no trainer state, only a checkpoint can be resumed "
-                        "(latest: the newest); a new run can start from its weights (--model)")
+                        f"(latest: the newest); {train_further(path)}")
     if not os.path.isfile(args_file) or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
         raise UserError(f"--resume-from {path}: not a checkpoint written by prm.py (no args.json and "
                         "trainer_state.pt in it)")
@@ -1929,9 +1941,10 @@ def train(args: Args) -> dict:
     # SIGINT goes to the handler there was before (a second Ctrl-C stops at once, without a checkpoint)
     stop_signal = []
     # the command a stopped run's resume hint names
-    # (latest: the checkpoint a stop writes is the newest; the directory absolute, to work from anywhere)
-    rerun = (f"{'torchrun <its flags>' if distributed else 'python'} {sys.argv[0]} <the same flags> --output-dir "
-             f"{os.path.abspath(output_dir)} --resume-from latest")
+    # (latest: the checkpoint a stop writes is the newest; the script and directory absolute, to work from
+    # anywhere)
+    rerun = (f"{'torchrun <its flags>' if distributed else 'python'} {os.path.abspath(sys.argv[0])} <the same flags> "
+             f"--output-dir {os.path.abspath(output_dir)} --resume-from latest")
 
     def stop_after_this_step(sig, frame):
         stop_signal.append(sig)

@@ -30,11 +30,16 @@ def run_script_main(main, script: str, argv: list[str], capsys, with_stdout: boo
     return (code, captured.out, captured.err) if with_stdout else (code, captured.err)
 
 
+class RunTimeout(BaseException):
+    """Not an Exception: the scripts catch those (a data file that cannot be read, a reward that fails) and would
+    take a time limit for an error of their own, or skip it and run on."""
+
+
 def run_in_process(module, argv: list[str], timeout: int, threads: int | None = None) -> SimpleNamespace:
     """`python SCRIPT ARGV` as module.main() in this process, WANDB_MODE=disabled: (returncode, stdout, stderr), without
     the 5 s of starting Python and importing torch and transformers again (3.7 s of a 4.3 s run). threads: torch's
-    thread count meanwhile, as OMP_NUM_THREADS gives a process. A run past timeout seconds raises TimeoutError
-    (SIGALRM: the scripts handle only SIGINT and SIGTERM). A function of the module that is patched (monkeypatch)
+    thread count meanwhile, as OMP_NUM_THREADS gives a process. A run past timeout seconds (SIGALRM: the scripts
+    handle only SIGINT and SIGTERM) raises RunTimeout. A function of the module that is patched (monkeypatch)
     fails the test: the run would not be the command line's."""
     patched = [name for name, value in vars(module).items() if ORIGINALS[module.__name__].get(name, value) is not value]
     if patched:
@@ -43,13 +48,13 @@ def run_in_process(module, argv: list[str], timeout: int, threads: int | None = 
     saved_threads = torch.get_num_threads()
 
     def out_of_time(signum, frame):
-        raise TimeoutError(f"{module.__name__} {' '.join(argv)} ran past {timeout} s")
+        raise RunTimeout(f"{module.__name__} {' '.join(argv)} ran past {timeout} s")
 
     saved_alarm = signal.signal(signal.SIGALRM, out_of_time)
-    sys.argv, os.environ["WANDB_MODE"] = [f"{module.__name__}.py", *argv], "disabled"
-    torch.set_num_threads(threads or saved_threads)
-    signal.alarm(timeout)
     try:
+        sys.argv, os.environ["WANDB_MODE"] = [f"{module.__name__}.py", *argv], "disabled"
+        torch.set_num_threads(threads or saved_threads)
+        signal.alarm(timeout)
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             module.main()
         code = 0

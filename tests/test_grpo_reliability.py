@@ -390,6 +390,17 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_damage(tmp_path, capsys):
         code, err = run_main(["--output-dir", str(tmp_path / "damaged"), *QUICK, "--resume-from", str(damaged)],
                              capsys)
         assert code == 2 and err.count("\n") == 1 and message in err, err
+    # a LoRA checkpoint's adapter cut short; a final/args.json cut short is no final model for latest
+    lora = tmp_path / "lora"
+    assert run_main(["--output-dir", str(lora), *QUICK, "--total-steps", "1", "--save-every", "1", "--lora-r", "4"],
+                    capsys)[0] == 0
+    adapter = lora / "checkpoint-1" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    code, err = run_main(["--output-dir", str(lora), *QUICK, "--lora-r", "4", "--resume-from", str(adapter.parent)],
+                         capsys)
+    assert code == 2 and err.count("\n") == 1 and "cannot read its LoRA adapter" in err, err
+    (lora / "final" / "args.json").write_text("{")
+    assert grpo.final_step(str(lora)) is None
     # a blank line in metrics.jsonl (an editor's) is no row: the resume goes on
     with open(run / "metrics.jsonl", "a") as f:
         f.write("\n")

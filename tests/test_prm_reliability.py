@@ -733,6 +733,11 @@ def test_resuming_latest_of_a_run_finished_without_checkpoints_points_to_its_fin
     code, err = run_main([*flags, "--resume-from", "latest"], capsys)
     assert code == 2 and "finished without a checkpoint" in err and f"--model {out / 'final'}" in err, err
     assert "--overwrite" not in err
+    # a LoRA PRM is no --model to start from (refused there): its adapter goes on only from a checkpoint
+    lora = ["--output-dir", str(tmp_path / "lora"), *flags[2:], "--lora-r", "4"]
+    assert run_main(lora, capsys)[0] == 0
+    code, err = run_main([*lora, "--resume-from", "latest"], capsys)
+    assert code == 2 and "its LoRA adapter can go on only from a checkpoint of its run" in err, err
 
 
 def test_resuming_latest_of_a_run_finished_past_its_last_checkpoint_changes_nothing(tmp_path, capsys):
@@ -1054,8 +1059,8 @@ def test_sigint_finishes_the_step_then_checkpoints(tmp_path, capsys, monkeypatch
     code, stdout, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path),
                                   "--total-steps", "10"], capsys, with_stdout=True)
     assert code == 128 + signal.SIGINT, err
-    assert (f"stopped by a signal after step 2; {out / 'checkpoint-2'} saved; continue with: python prm.py <the same "
-            f"flags> --output-dir {out} --resume-from latest") in stdout
+    assert (f"stopped by a signal after step 2; {out / 'checkpoint-2'} saved; continue with: python "
+            f"{os.path.abspath('prm.py')} <the same flags> --output-dir {out} --resume-from latest") in stdout
     assert prm.checkpoint_steps(str(out)) == [2] and len(read_metrics(out)) == 2
     assert not (out / "final").exists() and read_summary(out)["interrupted"] is True
     assert read_summary(out)["stop_signal"] == "SIGINT"  # and the exit status is 130, as for a process it ended
