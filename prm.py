@@ -1617,6 +1617,8 @@ def train(args: Args) -> dict:
     resume_path = resolve_resume(args, output_dir)
     resuming_here = resume_path is not None and os.path.realpath(os.path.dirname(
         os.path.abspath(resume_path.rstrip("/")))) == os.path.realpath(output_dir)
+    if args.score_data_path and args.scores_output is None:  # the default scores file, checked as a given one is
+        check_scores_output(os.path.join(output_dir, "scores.jsonl"), args.score_data_path)
     if holds_run(output_dir) and not resuming_here and not args.overwrite:
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
                         "to continue it, or another --output-dir")

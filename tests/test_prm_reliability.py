@@ -227,6 +227,9 @@ def test_scoring_mode_bad_inputs(tmp_path, capsys):
     code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output",
                           str(tmp_path / "." / "rows.jsonl")], capsys)
     assert code == 2 and "is the --score-data-path file: the scores would replace the rows they score" in err
+    code, err = run_main(["--output-dir", str(tmp_path), *SMALL, "--score-data-path", str(tmp_path / "scores.jsonl")],
+                         capsys)  # a training run's default scores file: its --output-dir's scores.jsonl
+    assert code == 2 and "is the --score-data-path file" in err, err
     code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(scores),
                           "--device", "foo"], capsys)
     assert code == 2 and err == "error: --device 'foo' is not a device; use auto, cpu, cuda or cuda:N\n"
