@@ -1386,6 +1386,10 @@ def final_step(output_dir: str) -> Optional[int]:
     return step if isinstance(step, int) else None
 
 
+# the files of a run in its --output-dir besides its checkpoint-STEP directories (what --overwrite removes)
+RUN_FILES = ("metrics.jsonl", "summary.json", "final", "final.tmp", "final.old")
+
+
 # what a checkpoint must agree on with the run that resumes from it
 # (not data_path: the rows' content is checked instead, so that the same file can be given by another path)
 RESUME_MUST_MATCH = ("model", "lora_r", "lora_alpha", "lora_target_modules", "chat_template",
@@ -1572,8 +1576,8 @@ def train(args: Args) -> dict:
     resume_path = resolve_resume(args, output_dir)
     resuming_here = resume_path is not None and os.path.realpath(os.path.dirname(
         os.path.abspath(resume_path.rstrip("/")))) == os.path.realpath(output_dir)
-    holds_run = any(os.path.exists(os.path.join(output_dir, name)) for name in (
-        "metrics.jsonl", "summary.json", "final")) or bool(checkpoint_steps(output_dir))  # (any part of a run)
+    holds_run = any(os.path.exists(os.path.join(output_dir, name)) for name in RUN_FILES[:3]) or bool(
+        checkpoint_steps(output_dir))  # (any part of a run)
     if not resuming_here and holds_run and not args.overwrite:
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
                         "to continue it, or another --output-dir")
@@ -1780,7 +1784,7 @@ def train(args: Args) -> dict:
     if is_main:
         if not resuming_here and args.overwrite:  # only what a run writes: the directory may hold other things
             for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-                if name in ("metrics.jsonl", "summary.json", "final", "final.tmp", "final.old") or re.fullmatch(
+                if name in RUN_FILES or re.fullmatch(
                         r"checkpoint-\d+(\.tmp|\.old)?", name):
                     target = os.path.join(output_dir, name)
                     shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)

@@ -1799,11 +1799,11 @@ def train(args: Args) -> dict:
         # was stopped by a signal in its last step, or is resumed from an earlier checkpoint: it writes its own)
         # (latest is the newest checkpoint, and a finished run's final/ may be newer: it holds no trainer state)
         finished = os.path.isfile(os.path.join(output_dir, "summary.json"))  # (killed in the final evaluation: not)
-        reached = final_step(output_dir)
-        if finished and reached is not None and reached >= args.total_steps and (
-                reached == start_step or (args.resume_from == "latest" and reached > start_step)):
-            where = resume_path if reached == start_step else os.path.join(output_dir, "final")
-            print0(f"{where} is at step {reached}: the run already reached --total-steps {args.total_steps}; "
+        final_at = final_step(output_dir)
+        if finished and final_at is not None and final_at >= args.total_steps and (
+                final_at == start_step or (args.resume_from == "latest" and final_at > start_step)):
+            where = resume_path if final_at == start_step else os.path.join(output_dir, "final")
+            print0(f"{where} is at step {final_at}: the run already reached --total-steps {args.total_steps}; "
                    "nothing to do (raise --total-steps or --epochs to train further)", enabled=is_main)
             if distributed:
                 dist.destroy_process_group()
