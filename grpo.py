@@ -519,8 +519,9 @@ def parse_number(text: str, whole: bool = False) -> Optional[Fraction]:
     match = _NUMBER.fullmatch(text.removesuffix(".").strip()) if whole else _NUMBER.search(text)
     if match is None:
         return None
-    try:
-        return Fraction(match.group(0).replace(",", ""))
+    numerator, _, denominator = match.group(0).replace(",", "").partition("/")
+    try:  # (Fraction reads "3/4" but not "1.5/2")
+        return Fraction(numerator) / Fraction(denominator or 1)
     except (ValueError, ZeroDivisionError):
         return None
 
@@ -784,7 +785,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
+        # a token goes when the tokens above it already hold top_p: the smallest set that reaches top_p is kept (as
+        # transformers' TopPLogitsWarper and vLLM), the top token always (top_p > 0)
+        remove = cumulative - sorted_logits.softmax(-1) >= top_p
         logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
     return logits
 

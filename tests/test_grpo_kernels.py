@@ -915,6 +915,15 @@ def test_filter_logits_hand_values():
     assert out[0, 1].item() == logits[0, 1].item() and out[0, 3].item() == logits[0, 3].item()
 
 
+@pytest.mark.parametrize("tokens, top_p, expected", [(2, 0.5, 1), (4, 0.5, 2), (4, 0.75, 3), (4, 0.25, 1), (4, 0.3, 2)])
+def test_filter_logits_stops_at_the_token_whose_mass_reaches_top_p_exactly(tokens, top_p, expected):
+    """Equal logits: softmax gives exactly 1/tokens each, so the cumulative mass hits top_p exactly. The nucleus
+    is the smallest set that reaches top_p (transformers' TopPLogitsWarper keeps 1 of 2 tokens at 0.5), not one
+    token more."""
+    out = filter_logits(torch.zeros(1, tokens), 0, top_p)
+    assert int((out != float("-inf")).sum()) == expected
+
+
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (3, 1.0), (0, 0.5), (0, 0.9), (5, 0.8), (4, 0.3)])
 def test_filter_logits_match_naive(top_k, top_p):
     g = torch.Generator().manual_seed(17)
@@ -1518,6 +1527,9 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("72", "She had 48.\n#### 72\nNote: 5", 0.0), ("5", "She had 48.\n#### 72\nNote: 5", 0.0),
     # \\frac12: one-digit parts without braces
     ("\\boxed{\\frac12}", "1/2", 1.0), ("\\boxed{\\dfrac 3 4}", "0.75", 1.0), ("\\boxed{\\frac12}", "12", 0.0),
+    # a decimal over a whole number (Fraction reads no "1.5/2"), and over zero (no value: compared as text)
+    ("\\boxed{\\frac{1.5}{2}}", "0.75", 1.0), ("#### 1.5/2", "0.75", 1.0), ("#### 1.5/2", "1.5", 0.0),
+    ("#### 1,500/2", "750", 1.0), ("\\boxed{1.5/0}", "1.5", 0.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
