@@ -2205,14 +2205,16 @@ def train(args: Args) -> dict:
             # step on no longer loses the steps since the last checkpoint
             save_run_state(os.path.join(output_dir, "final"), start_step + len(step_times), tiny_base,
                            evaluated=False)  # (the final evaluation comes after it: a run taken further does it again)
+        # agreed while the stop handlers are still installed: a rank that saves nothing would otherwise be
+        # killed by a forwarded signal while rank 0 is still writing final/
+        stopped = torch.tensor([float(len(stop_signal))], device=device)
+        if distributed:
+            dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
     # ---- final evaluation, benchmark summary; skipped after a stop signal during the final save (a resume runs them)
-    stopped = torch.tensor([float(len(stop_signal))], device=device)
-    if distributed:  # every process takes the same way (under FSDP every one evaluates)
-        dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
     if not interrupted and stopped.item() > 0:
         print0(f"stopped by a signal after saving the final model; for the final evaluation and summary: {rerun}",
                enabled=is_main)

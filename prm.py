@@ -2056,6 +2056,11 @@ def train(args: Args) -> dict:
             weights = full_state_dicts(prm)[0] if args.fsdp else None
             if is_main:
                 save_prm(os.path.join(output_dir, "final"), prm, base_copy, weights, step=start_step + len(step_times))
+        # agreed while the stop handlers are still installed: a rank that saves nothing would otherwise be
+        # killed by a forwarded signal while rank 0 is still writing final/
+        stopped = torch.tensor([float(len(stop_signal))], device=device)
+        if distributed:
+            dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
     except BaseException:  # a stop for too many bad steps, or a crash: metrics.jsonl keeps what was logged
         logger.close()
         raise
@@ -2065,9 +2070,6 @@ def train(args: Args) -> dict:
 
     # ---- final evaluation, scores, benchmark summary (an interrupted run: its checkpoint and a summary saying so);
     # skipped after a stop signal during the final save (a resume runs them)
-    stopped = torch.tensor([float(len(stop_signal))], device=device)
-    if distributed:  # every process takes the same way (under FSDP every one evaluates)
-        dist.all_reduce(stopped, op=dist.ReduceOp.MAX)
     if not interrupted and stopped.item() > 0:  # (a final PRM holds no trainer state: a checkpoint beside it does)
         path = checkpoint(start_step + len(step_times))
         print0(f"stopped by a signal after saving the final model and {path}; for the final evaluation, scores and "

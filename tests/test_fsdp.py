@@ -1,11 +1,13 @@
 """--fsdp in both scripts. Users get an error for it on CPU; the tests lift that (tests/fsdp_on_cpu.py) and run
 FSDP2 over gloo with 2 processes, against one plain process on the same global batch: same metrics, same weights
-(to 1e-5), and an exact resume from a sharded checkpoint."""
+(to 1e-5), and an exact resume from a sharded checkpoint. Also a stop signal under torchrun while rank 0 writes the
+final model, with and without --fsdp."""
 
 import json
 import os
 import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -267,3 +269,58 @@ def test_a_checkpoint_from_before_the_fsdp_flag_resumes(tmp_path, capsys):
     code, err = run_script_main(grpo.main, "grpo.py", [*flags, "--resume-from", str(out / "checkpoint-1"),
                                                        "--kl-coef", "0.5"], capsys)
     assert code == 2 and "--kl-coef" in err  # the other settings are still compared
+
+
+SLOW_FINAL_SAVE = '''"""torchrun launcher: grpo.py or prm.py whose rank 0 writes final/ slowly (a large model), and says when it starts.
+    torchrun ... slow_final_save.py <repo> <grpo|prm> <marker file> <flags>"""
+import importlib, os, sys, time
+sys.path.insert(0, sys.argv[1])
+script, marker = importlib.import_module(sys.argv[2]), sys.argv[3]
+script.FSDP_DEVICE_TYPES = ("cuda", "cpu")
+name = "save_checkpoint" if sys.argv[2] == "grpo" else "save_prm"
+save = getattr(script, name)
+def slow_save(path, *args, **kwargs):
+    if os.path.basename(path.rstrip("/")) == "final":
+        open(marker, "w").close()
+        time.sleep(6)
+    return save(path, *args, **kwargs)
+setattr(script, name, slow_save)
+sys.argv = [sys.argv[2] + ".py", *sys.argv[4:]]
+script.main()
+'''
+
+
+@pytest.mark.parametrize("script, flags", [("grpo", []), ("prm", ["--fsdp"])])
+def test_a_stop_signal_while_rank_0_writes_the_final_model_stops_every_process_cleanly(script, flags, tmp_path):
+    """torchrun passes a SIGTERM to every process. While rank 0 writes final/, the others wait for it; if they
+    already had the default handlers back, the signal killed them, and rank 0's next collective failed with a
+    traceback (prm.py's checkpoint beside final/, which a resume needs, was never written). Under --fsdp every
+    process first gathers the weights; without it the others reach the wait at once: both must stop as one
+    process does, with the stop message and the checkpoint."""
+    launcher, marker, out = tmp_path / "slow_final_save.py", tmp_path / "final-save-started", tmp_path / "run"
+    launcher.write_text(SLOW_FINAL_SAVE)
+    quick = (["--total-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+              "--num-eval-prompts", "8"] if script == "grpo" else
+             ["--total-steps", "2", "--batch-size", "8", "--eval-every", "0", "--num-eval-rows", "20",
+              "--num-val-rows", "20"])
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                "2", str(launcher), str(REPO_ROOT), script, str(marker), "--output-dir", str(out),
+                                *quick, *flags], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=ENV)
+    try:
+        deadline = time.time() + 200
+        while not marker.exists() and process.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the run never reached its final save"
+        time.sleep(1.5)  # the other process is now waiting for rank 0
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+    except (subprocess.TimeoutExpired, AssertionError):
+        kill_tree(process.pid)
+        raise
+    assert "stopped by a signal after saving the final model" in stdout, stderr[-3000:]
+    # (torchrun itself ends with a traceback of its SignalException; the workers' own would name their files)
+    assert f'{script}.py", line' not in stderr and "Connection closed" not in stderr, stderr[-3000:]
+    assert (out / "final").is_dir() and not (out / "final.tmp").exists()
+    if script == "prm":  # (a final PRM has no trainer state: the checkpoint is what a resume continues)
+        assert (out / "checkpoint-2").is_dir()
