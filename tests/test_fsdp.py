@@ -271,7 +271,8 @@ def test_a_checkpoint_from_before_the_fsdp_flag_resumes(tmp_path, capsys):
     assert code == 2 and "--kl-coef" in err  # the other settings are still compared
 
 
-SLOW_FINAL_SAVE = '''"""torchrun launcher: grpo.py or prm.py whose rank 0 writes final/ slowly (a large model), and says when it starts.
+SLOW_FINAL_SAVE = '''"""torchrun launcher: grpo.py or prm.py whose rank 0 writes final/ slowly (a large model) and says
+when it starts.
     torchrun ... slow_final_save.py <repo> <grpo|prm> <marker file> <flags>"""
 import importlib, os, sys, time
 sys.path.insert(0, sys.argv[1])
