@@ -219,7 +219,7 @@ class Args:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """weights and compute dtype; auto = bfloat16 on CUDA when supported, float32 otherwise"""
     device: str = "auto"
-    """auto = cuda when available, else cpu"""
+    """auto = cuda when available, else cpu; cuda:N for GPU N (under torchrun: cuda, each process on its own GPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, about 30% more compute)"""
     compile_decoding: bool = False
@@ -1455,14 +1455,19 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     return path
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
+def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torch.device:
     """--device as a torch.device: auto = a GPU if there is one, else the CPU; a GPU named without an index
-    ("cuda") is this process's own (LOCAL_RANK under torchrun), as torch.cuda.set_device needs an index."""
+    ("cuda") is this process's own (LOCAL_RANK under torchrun), as torch.cuda.set_device needs an index.
+    local_processes: torchrun's processes on this machine (LOCAL_WORLD_SIZE), each of which needs a GPU of its own."""
     try:
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     except RuntimeError:
         raise UserError(f"--device {name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
+        if device.index is not None and local_processes > 1:  # NCCL refuses two processes on one GPU
+            raise UserError(f"--device {name} puts every one of the {local_processes} processes on this machine on "
+                            "the same GPU: use --device cuda (each process takes GPU LOCAL_RANK), and "
+                            "CUDA_VISIBLE_DEVICES to choose the GPUs")
         device = torch.device("cuda", local_rank if device.index is None else device.index)
         if device.index >= torch.cuda.device_count():
             raise UserError(f"--device {name}: there is no {device} here ({torch.cuda.device_count()} CUDA devices "
@@ -1538,7 +1543,7 @@ def train(args: Args) -> dict:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.fsdp and "WORLD_SIZE" in os.environ)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = resolve_device(args.device, local_rank)
+    device = resolve_device(args.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     validate_args(args, args.world_size, device)
     if args.importance_sampling == "sequence" and args.loss_type != "grpo":
         print0(f"warning: --importance-sampling sequence with --loss-type {args.loss_type} weights each completion's "
@@ -1784,6 +1789,8 @@ def train(args: Args) -> dict:
                 dist.destroy_process_group()
             return {"steps": start_step, "resumed_from_step": start_step}
         print0(f"resumed from {resume_path} at step {start_step}", enabled=is_main)
+    if distributed:  # every process has checked --output-dir and read --model and the checkpoint (which may lie in
+        dist.barrier()  # it) before rank 0 changes it: a late process would find a run there, or a model half deleted
     if is_main:
         if not resuming_here and args.overwrite:  # only what a run writes: the directory may hold other things
             for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:

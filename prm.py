@@ -173,7 +173,7 @@ class Args:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """backbone weights and compute dtype (the head is always fp32); auto = bfloat16 on CUDA when supported"""
     device: str = "auto"
-    """auto = cuda when available, else cpu"""
+    """auto = cuda when available, else cpu; cuda:N for GPU N (under torchrun: cuda, each process on its own GPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, about 30% more compute)"""
     fsdp: bool = False
@@ -1272,9 +1272,10 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native_bf16 else torch.float32
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
+def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torch.device:
     """--device as a torch.device. auto = this process's GPU when there is one, else the CPU; a CUDA device without
-    an index is this process's GPU too (cuda:LOCAL_RANK under torchrun), since torch.cuda.set_device needs one."""
+    an index is this process's GPU too (cuda:LOCAL_RANK under torchrun), since torch.cuda.set_device needs one.
+    local_processes: torchrun's processes on this machine (LOCAL_WORLD_SIZE), each of which needs a GPU of its own."""
     if name == "auto":
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     try:
@@ -1282,6 +1283,10 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     except RuntimeError:
         raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
+        if device.index is not None and local_processes > 1:  # NCCL refuses two processes on one GPU
+            raise UserError(f"--device {name} puts every one of the {local_processes} processes on this machine on "
+                            "the same GPU: use --device cuda (each process takes GPU LOCAL_RANK), and "
+                            "CUDA_VISIBLE_DEVICES to choose the GPUs")
         device = torch.device("cuda", local_rank if device.index is None else device.index)
         if device.index >= torch.cuda.device_count():
             raise UserError(f"--device {name}: there is no {device} here ({torch.cuda.device_count()} CUDA devices "
@@ -1583,7 +1588,7 @@ def train(args: Args) -> dict:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.fsdp and "WORLD_SIZE" in os.environ)
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(args.device, local_rank)
+    device = resolve_device(args.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     validate_args(args, args.world_size, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -1833,6 +1838,8 @@ def train(args: Args) -> dict:
                enabled=is_main)
 
     # ---- output directory and logging: nothing is written before this point
+    if distributed:  # every process has checked --output-dir and read --model and the checkpoint (which may lie in
+        dist.barrier()  # it) before rank 0 changes it: a late process would find a run there, or a model half deleted
     if is_main:
         if args.overwrite and not resuming_here:
             clear_run(output_dir)

@@ -1,7 +1,8 @@
 """--fsdp in both scripts. Users get an error for it on CPU; the tests lift that (tests/fsdp_on_cpu.py) and run
 FSDP2 over gloo with 2 processes, against one plain process on the same global batch: same metrics, same weights
 (to 1e-5), and an exact resume from a sharded checkpoint. Also a stop signal under torchrun while rank 0 writes the
-final model, with and without --fsdp."""
+final model, with and without --fsdp, and a process that reads --model late while rank 0 would clear the output
+directory it lies in."""
 
 import json
 import os
@@ -325,3 +326,39 @@ def test_a_stop_signal_while_rank_0_writes_the_final_model_stops_every_process_c
     assert (out / "final").is_dir() and not (out / "final.tmp").exists()
     if script == "prm":  # (a final PRM has no trainer state: the checkpoint is what a resume continues)
         assert (out / "checkpoint-2").is_dir()
+
+
+LATE_RANK_1 = '''"""torchrun launcher: grpo.py or prm.py whose rank 1 loads its model 3 s late (a slow file system).
+    torchrun ... late_rank_1.py <repo> <grpo|prm> <flags>"""
+import importlib, os, sys, time
+sys.path.insert(0, sys.argv[1])
+script = importlib.import_module(sys.argv[2])
+name = "load_model_and_tokenizer" if sys.argv[2] == "grpo" else "load_backbone_and_tokenizer"
+load = getattr(script, name)
+def late_load(*args, **kwargs):
+    if os.environ["RANK"] == "1":
+        time.sleep(3)
+    return load(*args, **kwargs)
+setattr(script, name, late_load)
+sys.argv = [sys.argv[2] + ".py", *sys.argv[3:]]
+script.main()
+'''
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_rank_0_changes_the_output_dir_only_once_every_process_has_read_the_model(script, tmp_path):
+    """--overwrite with --model <output dir>/final (start again from the last run's weights, in its place): rank 0
+    deletes final/ when it clears the run; a process still loading that model must have read it first."""
+    out = tmp_path / "run"
+    run_one("grpo", out, "--total-steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+            "--num-eval-prompts", "8")
+    launcher = tmp_path / "late_rank_1.py"
+    launcher.write_text(LATE_RANK_1)
+    quick = (["--prompts-per-step", "2", "--group-size", "4", "--num-eval-prompts", "8"] if script == "grpo" else
+             ["--batch-size", "8", "--num-eval-rows", "20", "--num-val-rows", "20"])
+    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              str(launcher), str(REPO_ROOT), script, "--model", str(out / "final"), "--overwrite",
+                              "--output-dir", str(out), "--total-steps", "1", "--eval-every", "0", *quick],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 1

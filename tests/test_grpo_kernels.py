@@ -1669,6 +1669,11 @@ def test_resolve_device(monkeypatch):
         resolve_device("gpu0", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto", 0) == torch.device("cpu")
+    # torchrun with 2 processes on this machine: a bare cuda gives each its own GPU, cuda:N would put both on N
+    assert resolve_device("cuda", 1, local_processes=2) == torch.device("cuda", 1)
+    with pytest.raises(UserError, match="--device cuda:1 puts every one of the 2 processes on this machine on"):
+        resolve_device("cuda:1", 1, local_processes=2)
+    assert resolve_device("cuda:1", 0, local_processes=1) == torch.device("cuda", 1)  # one process: any GPU
 
 
 def test_lora_targets_any_layer_peft_adapts():

@@ -126,6 +126,16 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
     assert not out.exists()  # nothing written
 
 
+def test_one_gpu_named_for_every_torchrun_process_is_refused(tmp_path, capsys, monkeypatch):
+    """torchrun with 2 processes on this machine and --device cuda:0: both would take GPU 0, which NCCL refuses
+    later with a traceback; a bare cuda gives each process its own."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--device", "cuda:0"], capsys)
+    assert code == 2 and err.startswith("error: --device cuda:0 puts every one of the 2 processes on this machine on")
+    assert "use --device cuda (each process takes GPU LOCAL_RANK)" in err and not out.exists()
+
+
 def test_a_run_without_held_out_prompts_prints_no_evaluation(tmp_path, capsys):
     """--data-path without --eval-data-path holds nothing to evaluate: no 'eval accuracy ... nan' lines, nor
     eval_accuracy columns of nulls in metrics.jsonl."""

@@ -378,7 +378,14 @@ def test_a_cuda_device_without_an_index_is_the_local_rank_and_a_bad_device_is_re
         assert prm.resolve_device("cpu", local_rank=2) == torch.device("cpu")
         with pytest.raises(prm.UserError, match=r"--device cuda:4: there is no cuda:4 here \(4 CUDA devices"):
             prm.resolve_device("cuda:4", local_rank=0)
+        assert prm.resolve_device("cuda", local_rank=1, local_processes=2) == torch.device("cuda:1")
+    # torchrun's 2 processes on this machine would share GPU 0 (NCCL refuses that): refused before anything runs
     out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        patch.setenv("LOCAL_WORLD_SIZE", "2")
+        code, err = run_main(["--output-dir", str(out), *QUICK, "--device", "cuda:0"], capsys)
+    assert code == 2 and err.startswith("error: --device cuda:0 puts every one of the 2 processes on this machine on")
+    assert "use --device cuda (each process takes GPU LOCAL_RANK)" in err and not out.exists()
     code, err = run_main(["--output-dir", str(out), *QUICK, "--device", "foo"], capsys)
     assert code == 2 and err == "error: --device 'foo' is not a device; use auto, cpu, cuda or cuda:N\n"
     if not torch.cuda.is_available():  # a GPU asked for where there is none
