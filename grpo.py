@@ -1146,7 +1146,9 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
             cut = sum(len(step_scores) < len(row_steps) for step_scores, row_steps in zip(scores, steps))
             if cut and not truncation_reported:
                 truncation_reported.append(cut)
-                print0(f"warning: {cut} of {len(completions)} completions have steps past the PRM's max length "
+                world_size = int(os.environ.get("WORLD_SIZE", "1"))  # (each process scores its own share)
+                where = f" (process {os.environ.get('RANK', '0')} of {world_size})" if world_size > 1 else ""
+                print0(f"warning{where}: {cut} of {len(completions)} completions have steps past the PRM's max length "
                        f"({process_reward_model.config['max_length']} tokens): only the steps before it are scored; "
                        "lower --max-new-tokens or train the PRM with a larger --max-length", file=sys.stderr)
             return [prm.aggregate_scores(step_scores, args.prm_aggregate) for step_scores in scores]

@@ -376,7 +376,7 @@ def test_default_run_learns_the_task(tmp_path):
     assert summary["eval_accuracy_end"] >= 0.9
 
 
-def test_prm_reward_from_a_trained_prm(tmp_path, capsys):
+def test_prm_reward_from_a_trained_prm(tmp_path, capsys, monkeypatch):
     prm_dir = tmp_path / "prm"
     process = subprocess.run([sys.executable, "prm.py", "--output-dir", str(prm_dir), "--total-steps", "3",
                               "--eval-every", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
@@ -410,6 +410,14 @@ def test_prm_reward_from_a_trained_prm(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("warning: 1 of 2 completions have steps past the PRM's max length (18 tokens)") == 1
     assert "of 1 completions" not in err
+    # under torchrun each process scores its share and warns of its own: the counts say whose they are
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    (_, prm_reward, _), = grpo.make_reward_fns(args, torch.device("cpu"))
+    prm_reward(["start 3\n"] * 2, ["3+1=4\n4+1=5\n5-1=4", "3+1=4"])
+    assert "warning (process 1 of 2): 1 of 2 completions have steps past" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
     # prod multiplies probabilities: an mse PRM's raw scores would make two negatives a positive reward
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "loss_kind": "mse"}))
     with pytest.raises(grpo.UserError, match="--prm-aggregate prod multiplies probabilities.*use min, last or mean"):
