@@ -1395,6 +1395,13 @@ def final_step(output_dir: str) -> Optional[int]:
 RUN_FILES = ("metrics.jsonl", "summary.json", "final", "final.tmp", "final.old")
 
 
+def unfinished_saves(output_dir: str) -> list[str]:
+    """What a kill during a save or a deletion leaves in output_dir: checkpoint-N.tmp or final.tmp (a save cut
+    short), *.old (a version being replaced or pruned). No resume reads them."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted(name for name in names if re.fullmatch(r"(checkpoint-\d+|final)\.(tmp|old)", name))
+
+
 # what a checkpoint must agree on with the run that resumes from it
 # (not data_path: the rows' content is checked instead, so that the same file can be given by another path)
 RESUME_MUST_MATCH = ("model", "lora_r", "lora_alpha", "lora_target_modules", "chat_template",
@@ -1837,6 +1844,12 @@ def train(args: Args) -> dict:
                 remove_directory(os.path.join(output_dir, "final"))
             if os.path.isfile(os.path.join(output_dir, "summary.json")):
                 os.remove(os.path.join(output_dir, "summary.json"))
+            # a step this run does not save again (a stop checkpoint's) would keep its unfinished save for good
+            unfinished = unfinished_saves(output_dir)
+            for name in unfinished:
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+            if unfinished:
+                print0(f"removed {', '.join(unfinished)} from {output_dir}: left by a run killed while saving")
     console = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
                "clip_frac_high": "clip_hi", "completion_length": "len", "eval_accuracy": "eval_acc",
                "step_time_s": "dt", "generation_time_s": "gen", "update_time_s": "upd"}

@@ -1130,6 +1130,13 @@ def final_step(output_dir: str) -> Optional[int]:
 RUN_FILES = ("metrics.jsonl", "summary.json", "scores.jsonl", "final", "final.tmp", "final.old")
 
 
+def unfinished_saves(output_dir: str) -> list[str]:
+    """What a kill during a save or a deletion leaves in output_dir: checkpoint-N.tmp or final.tmp (a save cut
+    short), *.old (a version being replaced or pruned). No resume reads them."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted(name for name in names if re.fullmatch(r"(checkpoint-\d+|final)\.(tmp|old)", name))
+
+
 def holds_run(output_dir: str) -> bool:
     """Whether output_dir already holds (part of) a run of this script."""
     return any(os.path.exists(os.path.join(output_dir, name)) for name in RUN_FILES[:4]) or bool(
@@ -1876,6 +1883,12 @@ def train(args: Args) -> dict:
             remove_directory(os.path.join(output_dir, "final"))
             if os.path.isfile(os.path.join(output_dir, "summary.json")):
                 os.remove(os.path.join(output_dir, "summary.json"))
+            # a step this run does not save again (a stop checkpoint's) would keep its unfinished save for good
+            unfinished = unfinished_saves(output_dir)
+            for name in unfinished:
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+            if unfinished:
+                print0(f"removed {', '.join(unfinished)} from {output_dir}: left by a run killed while saving")
     console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "eval_auroc",
                "eval_first_error_f1": "eval_fe_f1", "step_time_s": "dt"}
     logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track,

@@ -168,6 +168,31 @@ def test_an_output_dir_that_cannot_be_created_is_one_clear_line(script, capsys):
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_a_resume_removes_the_saves_a_killed_run_left_unfinished(script, tmp_path, capsys):
+    """A SIGKILL after a scheduler's grace period can cut a stop checkpoint's save short (checkpoint-N.tmp) or a
+    deletion (*.old); a stop checkpoint's step is saved again only by chance, so nothing else removes them."""
+    import prm
+
+    module = grpo if script == "grpo" else prm
+    out = tmp_path / "run"
+    flags = ["--output-dir", str(out), "--save-every", "1", "--eval-every", "0", *(
+        ["--prompts-per-step", "4", "--group-size", "4", "--num-eval-prompts", "16"] if script == "grpo" else
+        ["--batch-size", "8", "--num-val-rows", "20", "--num-eval-rows", "20"])]
+    assert run_script_main(module.main, f"{script}.py", [*flags, "--total-steps", "2"], capsys)[0] == 0
+    unfinished = ["checkpoint-7.tmp", "checkpoint-1.old", "final.tmp"]
+    for name in unfinished:
+        shutil.copytree(out / "checkpoint-2", out / name)
+    (out / "notes").mkdir()  # not the run's: kept
+    (out / "checkpoint-5.tmp.bak").mkdir()
+    code, stdout, err = run_script_main(module.main, f"{script}.py", [*flags, "--total-steps", "3", "--resume-from",
+                                                                      "latest"], capsys, with_stdout=True)
+    assert code == 0, err
+    assert f"removed {', '.join(sorted(unfinished))} from {out}: left by a run killed while saving" in stdout
+    assert sorted(path.name for path in out.iterdir() if path.is_dir()) == [
+        "checkpoint-2", "checkpoint-3", "checkpoint-5.tmp.bak", "final", "notes"]
+
+
 def test_a_lora_adapter_of_a_local_model_names_its_base_by_its_absolute_path(tmp_path, capsys, monkeypatch):
     """peft records the base model as typed: trained with a relative --model, final/ loaded only from the directory
     the run was started in (elsewhere peft asked the hub for it)."""
