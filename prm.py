@@ -738,7 +738,8 @@ def use_packing(prm: ProcessRewardModel) -> bool:
     packed = run([first + second, second + first], [[5, 4], [4, 5]], [5, 6, 7, 8])
     expected = torch.cat([alone[1], alone[0][:, 1:]])  # [2, 4]: second, then first's last four tokens
     positions_right = bool((packed - expected).abs().max() <= 1e-2 * expected.abs().max() + 1e-6)
-    before = [[(3 + k) % vocab for k in range(12)], [(50 + 7 * k) % vocab for k in range(12)]]
+    # (ids from 3 on: not a pad id, which some models take for padding that wants an attention mask, and warn)
+    before = [[(3 + k) % vocab for k in range(12)], [3 + (47 + 7 * k) % max(vocab - 3, 1) for k in range(12)]]
     behind = run([row + second for row in before], [[12, 4], [12, 4]], [12, 13, 14, 15])  # [2, 4]
     kept_apart = bool((behind[0] - behind[1]).abs().max() <= 1e-5 * behind.abs().max() + 1e-7)
     prm.train(was_training)
