@@ -1133,7 +1133,7 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "scores.jsonl", "final", "final.tm
 
 def unfinished_saves(output_dir: str) -> list[str]:
     """What a kill during a save or a deletion leaves in output_dir: checkpoint-N.tmp or final.tmp (a save cut
-    short), *.old (a version being replaced or pruned). No resume reads them."""
+    short), *.old (a version being replaced or pruned). `latest` never picks them."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     return sorted(name for name in names if re.fullmatch(r"(checkpoint-\d+|final)\.(tmp|old)", name))
 
@@ -1846,8 +1846,8 @@ def train(args: Args) -> dict:
                enabled=is_main)
 
     # ---- output directory and logging: nothing is written before this point
-    if distributed:  # every process has checked --output-dir and read --model and the checkpoint (which may lie in
-        dist.barrier()  # it) before rank 0 changes it: a late process would find a run there, or a model half deleted
+    # (every process has checked --output-dir and read --model and the checkpoint, which may lie in it, before rank 0
+    # changes it: the weights' broadcast above waits for them all, as sharding them does under FSDP)
     if is_main:
         if args.overwrite and not resuming_here:
             clear_run(output_dir)
@@ -1885,7 +1885,8 @@ def train(args: Args) -> dict:
             if os.path.isfile(os.path.join(output_dir, "summary.json")):
                 os.remove(os.path.join(output_dir, "summary.json"))
             # a step this run does not save again (a stop checkpoint's) would keep its unfinished save for good
-            unfinished = unfinished_saves(output_dir)
+            unfinished = [name for name in unfinished_saves(output_dir)  # (unless named by --resume-from: complete)
+                          if os.path.realpath(os.path.join(output_dir, name)) != os.path.realpath(resume_path)]
             for name in unfinished:
                 shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
             if unfinished:

@@ -328,37 +328,35 @@ def test_a_stop_signal_while_rank_0_writes_the_final_model_stops_every_process_c
         assert (out / "checkpoint-2").is_dir()
 
 
-LATE_RANK_1 = '''"""torchrun launcher: grpo.py or prm.py whose rank 1 loads its model 3 s late (a slow file system).
-    torchrun ... late_rank_1.py <repo> <grpo|prm> <flags>"""
-import importlib, os, sys, time
+LATE_RANK_1 = '''"""torchrun launcher: grpo.py whose rank 1 loads its model 3 s late (a slow file system).
+    torchrun ... late_rank_1.py <repo> <flags>"""
+import os, sys, time
 sys.path.insert(0, sys.argv[1])
-script = importlib.import_module(sys.argv[2])
-name = "load_model_and_tokenizer" if sys.argv[2] == "grpo" else "load_backbone_and_tokenizer"
-load = getattr(script, name)
+import grpo
+load = grpo.load_model_and_tokenizer
 def late_load(*args, **kwargs):
     if os.environ["RANK"] == "1":
         time.sleep(3)
     return load(*args, **kwargs)
-setattr(script, name, late_load)
-sys.argv = [sys.argv[2] + ".py", *sys.argv[3:]]
-script.main()
+grpo.load_model_and_tokenizer = late_load
+sys.argv = ["grpo.py", *sys.argv[2:]]
+grpo.main()
 '''
 
 
-@pytest.mark.parametrize("script", ["grpo", "prm"])
-def test_rank_0_changes_the_output_dir_only_once_every_process_has_read_the_model(script, tmp_path):
+def test_rank_0_changes_the_output_dir_only_once_every_process_has_read_the_model(tmp_path):
     """--overwrite with --model <output dir>/final (start again from the last run's weights, in its place): rank 0
-    deletes final/ when it clears the run; a process still loading that model must have read it first."""
+    deletes final/ when it clears the run; a process still loading that model must have read it first. (prm.py's
+    processes wait for each other after loading, in the broadcast of the weights or their sharding.)"""
     out = tmp_path / "run"
-    run_one("grpo", out, "--total-steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
-            "--num-eval-prompts", "8")
+    quick = ["--total-steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+             "--num-eval-prompts", "8"]
+    run_one("grpo", out, *quick)
     launcher = tmp_path / "late_rank_1.py"
     launcher.write_text(LATE_RANK_1)
-    quick = (["--prompts-per-step", "2", "--group-size", "4", "--num-eval-prompts", "8"] if script == "grpo" else
-             ["--batch-size", "8", "--num-eval-rows", "20", "--num-val-rows", "20"])
     process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                              str(launcher), str(REPO_ROOT), script, "--model", str(out / "final"), "--overwrite",
-                              "--output-dir", str(out), "--total-steps", "1", "--eval-every", "0", *quick],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+                              str(launcher), str(REPO_ROOT), "--model", str(out / "final"), "--overwrite",
+                              "--output-dir", str(out), *quick], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=300, env=ENV)
     assert process.returncode == 0, process.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 1

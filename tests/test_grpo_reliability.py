@@ -191,6 +191,14 @@ def test_a_resume_removes_the_saves_a_killed_run_left_unfinished(script, tmp_pat
     assert f"removed {', '.join(sorted(unfinished))} from {out}: left by a run killed while saving" in stdout
     assert sorted(path.name for path in out.iterdir() if path.is_dir()) == [
         "checkpoint-2", "checkpoint-3", "checkpoint-5.tmp.bak", "final", "notes"]
+    # one named by --resume-from is what the run continues (a save between its two renames leaves final.old and
+    # final.tmp only, both complete): kept
+    shutil.copytree(out / "checkpoint-3", out / "checkpoint-3.tmp")
+    code, stdout, err = run_script_main(module.main, f"{script}.py", [*flags, "--total-steps", "4", "--resume-from",
+                                                                      str(out / "checkpoint-3.tmp")], capsys,
+                                        with_stdout=True)
+    assert code == 0 and "removed" not in stdout, err
+    assert (out / "checkpoint-3.tmp" / "trainer_state.pt").is_file() and (out / "checkpoint-4").is_dir()
 
 
 def test_a_lora_adapter_of_a_local_model_names_its_base_by_its_absolute_path(tmp_path, capsys, monkeypatch):
