@@ -482,9 +482,9 @@ def load_jsonl_prompts(path: str) -> list[dict]:
 # a number: a sign (- or +) unless it follows a word or ")" (the 3 of "8-3" or "ages 5-7" is no -3), thousands
 # separated by commas only in groups of three ("1,234"; "1,2" is two numbers, not 12), a decimal part, a
 # leading-dot decimal (".5", but not the ".5" of "...5" or "1.2.5"), then an exponent ("1.5e-3", of at most 3 digits:
-# Fraction would build 10^n) or a fraction "a/b"
-_NUMBER = re.compile(r"(?:(?<![\w)])[-+])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"
-                     r"(?:[eE][-+]?\d{1,3}(?!\d)|/\d+)?")
+# Fraction would build 10^n) or a fraction "a/b" whose b is written as a is, unsigned ("1.5/2.5", "1,500/2,000")
+_UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)"
+_NUMBER = re.compile(rf"(?:(?<![\w)])[-+])?{_UNSIGNED}(?:[eE][-+]?\d{{1,3}}(?!\d)|/{_UNSIGNED})?")
 # \frac{a}{b}, \dfrac or \tfrac, after a whole number when it is a mixed number (2\frac{1}{2}, not the 2 of x^2)
 _LATEX_FRACTION = re.compile(r"(?:(?<![\w^.])(-?\d+)\s*)?\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 # \frac12: one-digit numerator and denominator without braces, as LaTeX allows (the MATH normaliser's _fix_fracs)

@@ -1530,6 +1530,9 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     # a decimal over a whole number (Fraction reads no "1.5/2"), and over zero (no value: compared as text)
     ("\\boxed{\\frac{1.5}{2}}", "0.75", 1.0), ("#### 1.5/2", "0.75", 1.0), ("#### 1.5/2", "1.5", 0.0),
     ("#### 1,500/2", "750", 1.0), ("\\boxed{1.5/0}", "1.5", 0.0),
+    # a denominator written as a numerator is, decimal or with thousands separators: all of it, not its start
+    ("#### 1.5/2.5", "0.6", 1.0), ("#### 1.5/2.5", "0.75", 0.0), ("#### 3/1.5", "2", 1.0), ("#### 3/1.5", "3", 0.0),
+    ("#### 1,500/2,000", "0.75", 1.0), ("#### 1,500/2,000", "750", 0.0), ("#### 1/.5", "2", 1.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
