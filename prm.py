@@ -1283,21 +1283,22 @@ def auto_dtype(device: torch.device) -> torch.dtype:
 def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torch.device:
     """--device as a torch.device. auto = this process's GPU when there is one, else the CPU; a CUDA device without
     an index is this process's GPU too (cuda:LOCAL_RANK under torchrun), since torch.cuda.set_device needs one.
+    A process that sees one GPU only (a launcher gave each its own: srun --gpus-per-task 1) takes that one.
     local_processes: torchrun's processes on this machine (LOCAL_WORLD_SIZE), each of which needs a GPU of its own."""
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(name)
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     except RuntimeError:
         raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
-        if device.index is not None and local_processes > 1:  # NCCL refuses two processes on one GPU
+        visible = torch.cuda.device_count()
+        if device.index is not None and local_processes > 1 and visible > 1:  # NCCL refuses 2 processes on 1 GPU
             raise UserError(f"--device {name} puts every one of the {local_processes} processes on this machine on "
                             "the same GPU: use --device cuda (each process takes GPU LOCAL_RANK), and "
                             "CUDA_VISIBLE_DEVICES to choose the GPUs")
-        device = torch.device("cuda", local_rank if device.index is None else device.index)
-        if device.index >= torch.cuda.device_count():
-            raise UserError(f"--device {name}: there is no {device} here ({torch.cuda.device_count()} CUDA devices "
+        if device.index is None:
+            device = torch.device("cuda", 0 if visible == 1 else local_rank)
+        if device.index >= visible:
+            raise UserError(f"--device {name}: there is no {device} here ({visible} CUDA devices "
                             "visible); use --device cpu or auto")
     if device.type not in ("cpu", "cuda"):  # a type this torch knows but this machine lacks (mps on Linux)
         try:
@@ -1596,7 +1597,7 @@ def train(args: Args) -> dict:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.fsdp and "WORLD_SIZE" in os.environ)
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(args.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    device = resolve_device(args.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed else 1)
     validate_args(args, args.world_size, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

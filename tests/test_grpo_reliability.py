@@ -127,8 +127,10 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
 
 
 def test_one_gpu_named_for_every_torchrun_process_is_refused(tmp_path, capsys, monkeypatch):
-    """torchrun with 2 processes on this machine and --device cuda:0: both would take GPU 0, which NCCL refuses
-    later with a traceback; a bare cuda gives each process its own."""
+    """torchrun with 2 processes on a machine of 2 GPUs and --device cuda:0: both would take GPU 0, which NCCL
+    refuses later with a traceback; a bare cuda gives each process its own."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     out = tmp_path / "out"
     code, err = run_main(["--output-dir", str(out), *QUICK, "--device", "cuda:0"], capsys)
