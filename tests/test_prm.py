@@ -646,16 +646,21 @@ def test_packing_is_refused_for_a_backbone_that_carries_state_across_examples():
 
 
 def test_the_packing_check_feeds_no_special_token():
-    """Its made-up examples hold no pad, BOS or EOS id: with a pad id in its input and no attention mask, GPT-2
-    warns the user to pass an attention mask (the 23-id tiny vocabulary made the check feed EOS, id 2)."""
+    """Its made-up examples hold no pad, BOS or EOS id, wherever they lie: with a pad id in its input and no
+    attention mask, GPT-2 warns the user to pass an attention mask (the tiny model's vocabulary made the check
+    feed EOS, id 2)."""
     torch.manual_seed(0)
     model, _ = prm.build_prm(prm.Args(), torch.float32)
     tokenizer, fed = model.tokenizer, []
     model.backbone.register_forward_pre_hook(lambda module, args, kwargs: fed.append(kwargs["input_ids"]),
                                              with_kwargs=True)
-    assert prm.use_packing(model)
-    ids = set(torch.cat([batch.flatten() for batch in fed]).tolist())
-    assert fed and ids.isdisjoint({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}), ids
+    for pad_id in (None, 7):  # the model's own, then a pad id among the ids the check would take first
+        model.backbone.config.pad_token_id = pad_id
+        fed.clear()
+        assert prm.use_packing(model)
+        ids = set(torch.cat([batch.flatten() for batch in fed]).tolist())
+        assert fed and ids.isdisjoint({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, 7}
+                                      if pad_id else set(tokenizer.all_special_ids)), ids
 
 
 # ---------------------------------------------------------------------------------------------------------------
