@@ -657,6 +657,11 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
         for weight in model.parameters():  # not .to(dtype), which would round the fp32 rotary frequencies
             weight.data = weight.data.to(dtype)  # (buffers) that from_pretrained recomputes when final/ is loaded
         return model, tokenizer
+    if name_or_path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(name_or_path)):
+        raise UserError(f"--model {name_or_path} does not exist (a local path, not a hub id)")
+    if os.path.isfile(os.path.join(name_or_path, "prm_config.json")):  # (its head would load as a random LM head)
+        raise UserError(f"--model {name_or_path} is a process reward model saved by prm.py, with no LM head to "
+                        "generate with: give it as --prm-path (a process reward) and a causal LM as --model")
     adapter_config = os.path.join(name_or_path, "adapter_config.json")
     if os.path.isfile(adapter_config):  # (a LoRA run's final/ or checkpoint: transformers would load it merged only
         with open(adapter_config) as f:  # for inference, and a new adapter saved on it would name it as its base)
@@ -665,8 +670,10 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
                         "its run with --resume-from (its final/ or a checkpoint), or merge it into its base first "
                         "(peft's merge_and_unload, then save_pretrained of the model and its tokenizer) and pass that")
     if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        final = os.path.join(name_or_path, "final")  # (a run's directory given for its model)
         raise UserError(f"could not load model {name_or_path!r}: the directory holds no config.json (a model saved "
-                        "with save_pretrained has one)")
+                        "with save_pretrained has one)" + (f"; its run's model is {final}" if os.path.isdir(final)
+                                                          else ""))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)

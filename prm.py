@@ -651,9 +651,17 @@ def load_backbone_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_rem
         for weight in backbone.parameters():  # not .to(dtype), which would round the fp32 rotary frequencies
             weight.data = weight.data.to(dtype)  # (buffers) that from_pretrained recomputes when final/ is loaded
         return backbone, tokenizer
+    if name_or_path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(name_or_path)):
+        raise UserError(f"could not load model {name_or_path!r}: it does not exist (a local path, not a hub id)")
+    if os.path.isfile(os.path.join(name_or_path, "adapter_config.json")):  # (a LoRA run of grpo.py, say)
+        raise UserError(f"could not load model {name_or_path!r}: it is a LoRA adapter, not a model to start from; "
+                        "merge it into its base first (peft's merge_and_unload, then save_pretrained of the model and "
+                        "its tokenizer) and pass that")
     if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        final = os.path.join(name_or_path, "final")  # (a run's directory given for its model)
         raise UserError(f"could not load model {name_or_path!r}: the directory holds no config.json (a model saved "
-                        "with save_pretrained has one)")
+                        "with save_pretrained has one)" + (f"; its run's model is {final}" if os.path.isdir(final)
+                                                          else ""))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         backbone = AutoModel.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -971,8 +979,12 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
     from transformers import AutoModel, AutoTokenizer
 
     config_path = os.path.join(path, "prm_config.json")
+    if not os.path.exists(path):
+        raise UserError(f"{path!r} does not exist: pass the final/ or a checkpoint-STEP/ directory of a prm.py run")
     if not os.path.isfile(config_path):
-        raise UserError(f"{path!r} is not a PRM saved by prm.py (no prm_config.json in it)")
+        final = os.path.join(path, "final", "prm_config.json")  # (a run's directory given for its PRM)
+        raise UserError(f"{path!r} is not a PRM saved by prm.py (no prm_config.json in it)"
+                        + (f"; its run's PRM is {os.path.dirname(final)}" if os.path.isfile(final) else ""))
     with open(config_path) as f:
         config = json.load(f)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -30,6 +30,14 @@ def run_script_main(main, script: str, argv: list[str], capsys, with_stdout: boo
     return (code, captured.out, captured.err) if with_stdout else (code, captured.err)
 
 
+def made_dir(path: Path, *files: str) -> str:
+    """A directory holding these (empty) files: what the scripts' checks look at before anything is loaded."""
+    for name in files:
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text("{}")
+    return str(path)
+
+
 class RunTimeout(BaseException):
     """Not an Exception: the scripts catch those (a data file that cannot be read, a reward that fails) and would
     take a time limit for an error of their own, or skip it and run on."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import grpo
-from conftest import run_script_main
+from conftest import made_dir, run_script_main
 from test_grpo_runs import QUICK, REPO_ROOT, read_eval_rows, read_metrics, read_summary, run_grpo, save_tiny
 
 # wall-clock and memory readings differ between any two runs; everything else in a metrics row must not
@@ -58,7 +58,13 @@ BAD_INPUTS = {
                    'rows.jsonl:1: each row needs a string field "prompt"'),
     "empty data set": (lambda tmp: ["--data-path", bad_rows_file(tmp, "\n\n")], "holds no rows"),
     "prompt too long": (lambda tmp: ["--max-prompt-length", "4"], "longer than --max-prompt-length 4"),
-    "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "could not load model"),
+    "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "no-model does not exist (a local path"),
+    "a prm.py PRM as the model": (lambda tmp: ["--model", made_dir(tmp / "prm", "prm_config.json", "config.json")],
+                                  "is a process reward model saved by prm.py, with no LM head to generate with: "
+                                  "give it as --prm-path"),
+    "a run's directory as the model": (lambda tmp: ["--model", made_dir(tmp / "run", "final/config.json")],
+                                       "holds no config.json (a model saved with save_pretrained has one); its "
+                                       "run's model is /"),
     "model directory without config.json": (lambda tmp: ["--model", str(tmp)], "the directory holds no config.json"),
     "model directory without a tokenizer": (
         lambda tmp: ["--model", model_without_tokenizer(tmp)], "the directory has no tokenizer"),

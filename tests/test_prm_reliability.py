@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import prm
-from conftest import run_script_main
+from conftest import made_dir, run_script_main
 from test_prm import (QUICK, REPO_ROOT, builtin_rows, read_all_metrics, read_metrics, read_summary, run_prm,
                       write_rows)
 
@@ -97,8 +97,13 @@ BAD_INPUTS = {
     "no first step fits": (lambda tmp: ["--data-path", rows_file(tmp, GOOD), "--max-length", "10"],
                            "--max-length 10", "every training row was truncated away"),
     # model
-    "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "no-model", "could not load model"),
+    "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "no-model",
+                           "it does not exist (a local path, not a hub id)"),
     "model path without a model": (lambda tmp: ["--model", str(tmp)], "could not load model", "no config.json"),
+    "a run's directory as the model": (lambda tmp: ["--model", made_dir(tmp / "run", "final/config.json")],
+                                       "no config.json", "; its run's model is /"),
+    "a LoRA adapter as the model": (lambda tmp: ["--model", made_dir(tmp / "lora", "adapter_config.json")],
+                                    "lora", "it is a LoRA adapter, not a model to start from; merge it into its base"),
     "lora target partly matching": (lambda tmp: ["--lora-r", "4", "--lora-target-modules", "q_proj,qproj"],
                                     "--lora-target-modules q_proj,qproj: no module of LlamaModel has that name (qproj)",
                                     "its linear modules include down_proj"),
@@ -218,6 +223,14 @@ def test_scoring_mode_bad_inputs(tmp_path, capsys):
     code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(scores)],
                          capsys)
     assert code == 2 and "is not a PRM saved by prm.py" in err and err.count("\n") == 1
+    # a path that is not there, and a run's directory for its final PRM, are said as such
+    code, err = run_main(["--prm-path", str(tmp_path / "nope"), "--score-data-path", data, "--scores-output",
+                          str(scores)], capsys)
+    assert code == 2 and f"'{tmp_path / 'nope'}' does not exist: pass the final/ or a checkpoint-STEP/" in err
+    made_dir(tmp_path / "run", "final/prm_config.json")
+    code, err = run_main(["--prm-path", str(tmp_path / "run"), "--score-data-path", data, "--scores-output",
+                          str(scores)], capsys)
+    assert code == 2 and f"(no prm_config.json in it); its run's PRM is {tmp_path / 'run' / 'final'}" in err
     code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", str(tmp_path / "no.jsonl"),
                           "--scores-output", str(scores)], capsys)
     assert code == 2 and "does not exist" in err and err.count("\n") == 1
