@@ -1129,7 +1129,7 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
         fns.append(("answer", answer_reward, args.answer_reward_weight))
     if args.format_reward_weight:
         fns.append(("format", format_reward, args.format_reward_weight))
-    if args.prm_path is not None:
+    if args.prm_path is not None and args.prm_weight:
         import prm  # only imported when a PRM is asked for
 
         try:
@@ -1162,7 +1162,8 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
 
         fns.append(("prm", prm_reward, args.prm_weight))
     if not fns:
-        raise UserError("every reward weight is 0: give --answer-reward-weight, --format-reward-weight or --prm-path")
+        raise UserError("every reward weight is 0: give --answer-reward-weight, --format-reward-weight, or --prm-path "
+                        "with a --prm-weight")
     return fns
 
 
@@ -1514,6 +1515,9 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     check(all(math.isfinite(w) for w in (args.answer_reward_weight, args.format_reward_weight, args.prm_weight)),
           "--answer-reward-weight, --format-reward-weight and --prm-weight must be finite numbers")
+    check(not re.search(r"\\[nt]", args.prm_step_separator or ""), f"--prm-step-separator {args.prm_step_separator!r} "
+          "holds a backslash and a letter, not a line break: a shell passes \"\\n\" as those two characters; in bash "
+          "write $'\\n\\n' for a blank line")
     check(min(args.total_steps, args.prompts_per_step, args.num_iterations, args.num_minibatches) >= 1,
           "--total-steps, --prompts-per-step, --num-iterations and --num-minibatches must be at least 1")
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "

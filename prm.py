@@ -1066,6 +1066,9 @@ def scoring_examples(tokenizer, prompts: list[str], steps: list[list[str]], step
     ValueError naming its solution by places[i] (its file and line), else by its number (from 1) and prompt; or,
     given the dict unscorable (--skip-bad-rows), the solution gets no example positions and unscorable[i] says why
     (write_scores keeps its line, with a null score)."""
+    if isinstance(prompts, str) or any(isinstance(solution, str) for solution in steps):  # (each would be iterated
+        raise TypeError("score_steps takes a list of prompts and, for each, a list of steps (split_steps(text, "
+                        "separator) splits a solution): a string would be scored character by character")
     examples = []
     for index, (prompt, solution) in enumerate(zip(prompts, steps, strict=True)):
         try:
@@ -1376,6 +1379,9 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(0.0 <= args.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     check(bool(args.step_separator), "--step-separator must not be empty: each step's label sits on its "
           "separator's last token")
+    check(not re.search(r"\\[nt]", args.step_separator), f"--step-separator {args.step_separator!r} holds a "
+          "backslash and a letter, not a line break: a shell passes \"\\n\" as those two characters; in bash write "
+          "$'\\n\\n' for a blank line")
     check(args.max_length >= 1, f"--max-length must be at least 1, got {args.max_length}")
     check(args.epochs is None or 0 < args.epochs < math.inf,
           f"--epochs must be > 0 and finite, got {args.epochs}")

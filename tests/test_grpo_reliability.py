@@ -59,6 +59,11 @@ BAD_INPUTS = {
     "empty data set": (lambda tmp: ["--data-path", bad_rows_file(tmp, "\n\n")], "holds no rows"),
     "prompt too long": (lambda tmp: ["--max-prompt-length", "4"], "longer than --max-prompt-length 4"),
     "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "no-model does not exist (a local path"),
+    "a PRM at weight 0 and no other reward": (
+        lambda tmp: ["--prm-path", str(tmp), "--prm-weight", "0", "--answer-reward-weight", "0",
+                     "--format-reward-weight", "0"], "every reward weight is 0: give --answer-reward-weight"),
+    "a separator typed as backslash-n": (lambda tmp: ["--prm-step-separator", "\\n\\n"],
+                                         "holds a backslash and a letter, not a line break: a shell passes"),
     "a prm.py PRM as the model": (lambda tmp: ["--model", made_dir(tmp / "prm", "prm_config.json", "config.json")],
                                   "is a process reward model saved by prm.py, with no LM head to generate with: "
                                   "give it as --prm-path"),

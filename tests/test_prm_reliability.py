@@ -100,6 +100,8 @@ BAD_INPUTS = {
     "model path missing": (lambda tmp: ["--model", str(tmp / "no-model")], "no-model",
                            "it does not exist (a local path, not a hub id)"),
     "model path without a model": (lambda tmp: ["--model", str(tmp)], "could not load model", "no config.json"),
+    "a separator typed as backslash-n": (lambda tmp: ["--step-separator", "\\n\\n"], "--step-separator '\\\\n\\\\n'",
+                                         "in bash write $'\\n\\n' for a blank line"),
     "a run's directory as the model": (lambda tmp: ["--model", made_dir(tmp / "run", "final/config.json")],
                                        "no config.json", "; its run's model is /"),
     "a LoRA adapter as the model": (lambda tmp: ["--model", made_dir(tmp / "lora", "adapter_config.json")],
@@ -205,6 +207,17 @@ def test_a_lora_prm_whose_base_model_moved_is_named(tmp_path):
         (saved / name).touch()
     with pytest.raises(prm.UserError, match=r'moved_away \("backbone" in prm_config.json\) does not exist'):
         prm.load_prm(str(saved), device="cpu")
+
+
+def test_score_steps_refuses_a_solution_given_as_one_string():
+    """Forgetting split_steps: a string is iterable, and each character was scored as a step."""
+    torch.manual_seed(0)
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    with pytest.raises(TypeError, match="a list of steps .split_steps"):
+        prm.score_steps(model, ["start 5\n"], ["5+3=8\n8-2=6"])
+    with pytest.raises(TypeError, match="a string would be scored character by character"):
+        prm.score_steps(model, "start 5\n", [["5+3=8", "8-2=6"]])
+    assert [len(scores) for scores in prm.score_steps(model, ["start 5\n"], [["5+3=8", "8-2=6"]])] == [2]
 
 
 def test_scoring_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
