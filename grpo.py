@@ -1610,6 +1610,9 @@ def train(args: Args) -> dict:
     holds_run = any(os.path.exists(os.path.join(output_dir, name)) for name in RUN_FILES[:3]) or bool(
         checkpoint_steps(output_dir))  # (any part of a run)
     if not resuming_here and holds_run and not args.overwrite:
+        if not checkpoint_steps(output_dir) and final_step(output_dir) is None:  # (nothing --resume-from can read)
+            raise UserError(f"{output_dir} already holds a run, stopped before its first checkpoint: pass --overwrite "
+                            "to start it again, or another --output-dir")
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
                         "to continue it, or another --output-dir")
     if args.lora_r > 0 and os.path.isdir(args.model):

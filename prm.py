@@ -1658,6 +1658,9 @@ def train(args: Args) -> dict:
     if args.score_data_path and args.scores_output is None:  # the default scores file, checked as a given one is
         check_scores_output(os.path.join(output_dir, "scores.jsonl"), args.score_data_path)
     if holds_run(output_dir) and not resuming_here and not args.overwrite:
+        if not checkpoint_steps(output_dir) and final_step(output_dir) is None:  # (nothing --resume-from can read)
+            raise UserError(f"{output_dir} already holds a run, stopped before its first checkpoint: pass --overwrite "
+                            "to start it again, or another --output-dir")
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
                         "to continue it, or another --output-dir")
     if args.lora_r > 0 and os.path.isdir(args.model):

@@ -412,8 +412,9 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     code, err = run_main(["--output-dir", str(out), *QUICK], capsys)
-    assert code == 2 and "already holds a run" in err and "--overwrite" in err
-    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # (a run that failed before its first checkpoint: --resume-from latest would only be refused in turn)
+    assert code == 2 and "already holds a run, stopped before its first checkpoint: pass --overwrite" in err
+    assert "--resume-from" not in err and (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
     (out / "checkpoint-7").mkdir()
     (out / "notes.txt").write_text("mine")
     code, _ = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "1", "--overwrite"], capsys)

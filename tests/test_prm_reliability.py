@@ -361,7 +361,8 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     (out / "notes.txt").write_text("mine")
     code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path)], capsys)
-    assert code == 2 and "already holds a run" in err and "--overwrite" in err and err.count("\n") == 1
+    assert code == 2 and "already holds a run, stopped before its first checkpoint: pass --overwrite" in err
+    assert "--resume-from" not in err and err.count("\n") == 1
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
     code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path), "--total-steps",
@@ -369,6 +370,9 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
     assert code == 0, err
     assert len(read_metrics(out)) == 1 and (out / "final").is_dir()
     assert (out / "notes.txt").read_text() == "mine"  # --overwrite removes the run's files, nothing else
+    # with a checkpoint or a final model there is something to continue
+    code, err = run_main(["--output-dir", str(out), *SMALL, "--data-path", small_data(tmp_path)], capsys)
+    assert code == 2 and "already holds a run: pass --overwrite to replace it, --resume-from latest" in err
 
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
