@@ -1880,6 +1880,13 @@ def train(args: Args) -> dict:
     print0(f"model {args.model}: {n_params:,} parameters ({sum(p.numel() for p in trainable):,} trained), "
            f"{dtype}, {device}; {args.world_size} process(es), {args.prompts_per_step} prompts x "
            f"{args.group_size} completions per step", enabled=is_main)
+    # what the model is given: which prompts, written how (the first one as the model sees it)
+    templated = args.chat_template and bool(tokenizer.chat_template)
+    first = tokenizer.decode(encode_prompts(tokenizer, [train_rows[0]["prompt"]], args.chat_template, 10**9)[0])
+    print0(f"{len(train_rows)} training prompts ({args.data_path or 'the built-in task'}), {len(eval_rows)} held out "
+           f"({args.eval_data_path or ('the built-in task' if args.data_path is None else 'none')}); prompts "
+           f"{'in the chat template' if templated else 'as raw text'}, the first: "
+           f"{first if len(first) <= 300 else first[:150] + ' ... ' + first[-150:]!r}", enabled=is_main)
 
     def save_run_state(path: str, step: int, base_model=None, evaluated: bool = True) -> None:
         """The model and everything a resume needs, written on rank 0 (under FSDP every rank calls it: the shards

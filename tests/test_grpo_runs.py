@@ -294,6 +294,9 @@ def test_saved_model_and_jsonl_with_chat_template(tmp_path):
                        "--group-size", "4", "--eval-every", "0")
     assert read_summary(out)["steps"] == 2
     assert "tiny-saved" in process.stdout
+    # the start says which prompts the model is given, and how they are written
+    assert (f"40 training prompts ({data}), 8 held out ({evals}); prompts in the chat template, the first: "
+            f"'((10+20)%10=)='") in process.stdout
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -307,8 +310,10 @@ def test_saved_model_and_jsonl_with_chat_template(tmp_path):
     plain = grpo.encode_prompts(tokenizer, ["(1+2)%10="], False, 64)[0]
     assert tokenizer.decode(templated) == "((1+2)%10=)="
     assert tokenizer.decode(plain) == "<bos>(1+2)%10="
-    run_grpo(tmp_path / "plain", "--model", str(model_dir), "--data-path", str(data), "--no-chat-template",
-             "--total-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0")
+    process = run_grpo(tmp_path / "plain", "--model", str(model_dir), "--data-path", str(data), "--no-chat-template",
+                       "--total-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0")
+    assert f"40 training prompts ({data}), 0 held out (none); prompts as raw text, the first: '<bos>(10+20)%10='" in (
+        process.stdout)
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])
