@@ -200,7 +200,8 @@ class Args:
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """learning rate after warm-up"""
     max_bad_steps: int = 3
-    """stop after this many consecutive updates with a non-finite loss or gradient (each one is skipped)"""
+    """stop after this many consecutive updates with a non-finite loss or gradient (each one is skipped), or steps
+    whose every reward failed (--reward-errors skip)"""
 
     # Evaluation, saving, system
     eval_every: int = 50
@@ -1080,10 +1081,10 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
     the PRM reward (name "prm") takes the whole lists (prompts, completions), to score them in batches. A value
     that raised or is not finite is reported with the sample's index in the step's batch (sample_indices, one per
     completion: under torchrun a process holds only its share; default 0, 1, ...): raised as an error, or
-    (on_error="skip") that sample's reward becomes NaN."""
+    (on_error="skip") that sample's reward becomes NaN, with a warning (the first five of a call, then a count)."""
     sample_indices = sample_indices if sample_indices is not None else list(range(len(completions)))
     totals = torch.zeros(len(completions), dtype=torch.float32)
-    per_fn = {}
+    per_fn, failures = {}, []
     for name, fn, weight in reward_fns:
         raised = set()  # samples whose reward raised (reported once, not again as the NaN it now is)
         if name == "prm":
@@ -1091,7 +1092,8 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
                 values = [float(v) for v in fn(prompts, completions)]
             except Exception as error:  # one call scores the whole batch: every sample's reward failed
                 failure = _reward_failure(name, sample_indices[0], completions[0], f"{type(error).__name__}: {error} "
-                                          "(one call scores the whole batch: every sample failed)", on_error)
+                                          "(one call scores the whole batch: every sample failed)", on_error,
+                                          failures)
                 per_fn[name] = torch.full((len(completions),), failure)
                 totals += weight * per_fn[name]
                 continue
@@ -1103,23 +1105,28 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
                 except Exception as error:
                     raised.add(index)
                     values.append(_reward_failure(name, sample_indices[index], completion,
-                                                  f"{type(error).__name__}: {error}", on_error))
+                                                  f"{type(error).__name__}: {error}", on_error, failures))
         for index, value in enumerate(values):
             # (beyond float32's range a finite value becomes inf in the rewards tensor)
             if index not in raised and not (math.isfinite(value) and abs(value) <= torch.finfo(torch.float32).max):
                 values[index] = _reward_failure(name, sample_indices[index], completions[index], f"returned {value}",
-                                                on_error)
+                                                on_error, failures)
         per_fn[name] = torch.tensor(values, dtype=torch.float32)
         totals += weight * per_fn[name]
+    for message in failures[:5]:  # (a few, not one line per sample of every step)
+        print0("warning: " + message, file=sys.stderr)
+    if len(failures) > 5:
+        print0(f"warning: {len(failures) - 5} more reward failures in this step (counted in reward_errors)",
+               file=sys.stderr)
     return totals, per_fn
 
 
-def _reward_failure(name: str, index: int, completion: str, problem: str, on_error: str) -> float:
+def _reward_failure(name: str, index: int, completion: str, problem: str, on_error: str, failures: list) -> float:
     message = f"reward {name} failed on sample {index} (completion {completion!r}): {problem}"
     if on_error == "raise":
         raise UserError(message + "; fix the reward function, or pass --reward-errors skip to leave such "
                         "samples out of the step")
-    print0("warning: " + message, file=sys.stderr)
+    failures.append(message)
     return float("nan")
 
 
@@ -1747,6 +1754,7 @@ def train(args: Args) -> dict:
     # ---- resume, logging
     start_step = 0
     bad_steps_in_a_row = skipped_updates = 0
+    failed_reward_steps_in_a_row = 0  # steps whose every reward failed (--reward-errors skip): nothing to learn from
     saved_eval_start = saved_eval_last = None
     resumed_wandb_id = resumed_wandb_group = None  # with --track, a resume logs into the checkpoint's wandb run
     if resume_path:
@@ -2234,6 +2242,11 @@ def train(args: Args) -> dict:
             if too_many_bad_updates:  # (after its row: metrics.jsonl shows the step that stopped the run)
                 raise UserError(f"{args.max_bad_steps} updates in a row had a non-finite loss or gradient; lower "
                                 "--learning-rate or check the reward scale")
+            every_reward_failed = sums["reward_errors"] >= sums["completions"]
+            failed_reward_steps_in_a_row = failed_reward_steps_in_a_row + 1 if every_reward_failed else 0
+            if failed_reward_steps_in_a_row >= args.max_bad_steps:
+                raise UserError(f"the reward failed on every sample of {args.max_bad_steps} steps in a row "
+                                "(--reward-errors skip; see the warnings above): fix the reward function")
             # a signal stops every process after the same step (torchrun forwards it to all, not at the same moment)
             stop = torch.tensor([float(len(stop_signal))], device=device)
             if distributed:

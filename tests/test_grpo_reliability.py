@@ -642,6 +642,23 @@ def test_reward_errors_are_reported_or_skipped(tmp_path, capsys, monkeypatch):
     assert all(row["loss"] is not None for row in metrics)  # the failed samples left no NaN (null) behind
 
 
+def test_a_reward_that_fails_on_every_sample_stops_the_run_under_skip(tmp_path, capsys, monkeypatch):
+    """--reward-errors skip with a reward that never works: every step had no sample left and went on (reward nan,
+    no update), for as long as the run lasted."""
+    def broken_reward(completion: str, answer: str) -> float:
+        raise KeyError("answer_text")
+
+    monkeypatch.setattr(grpo, "answer_reward", broken_reward)
+    out = tmp_path / "out"
+    code, err = run_main(["--output-dir", str(out), *QUICK, "--total-steps", "10", "--max-bad-steps", "2",
+                          "--num-eval-prompts", "0", "--format-reward-weight", "0", "--reward-errors", "skip"], capsys)
+    assert code == 2 and "the reward failed on every sample of 2 steps in a row" in err, err
+    assert [row["step"] for row in read_metrics(out)] == [1, 2]
+    # a few warnings a step (not one per sample), then their count
+    assert err.count("warning: reward answer failed") == 2 * 5
+    assert err.count("warning: 11 more reward failures in this step (counted in reward_errors)") == 2
+
+
 def test_non_finite_loss_skips_updates_then_stops(tmp_path, capsys, monkeypatch):
     real_loss = grpo.grpo_loss
 
