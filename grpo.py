@@ -93,6 +93,8 @@ class Args:
     """how many held-out prompts to evaluate (the built-in task's eval set has this many)"""
     chat_template: bool = True
     """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
+    system_prompt: Optional[str] = None
+    """a system message before every prompt, training and held-out alike (needs a chat template)"""
     max_prompt_length: int = 512
     """prompts longer than this many tokens are an error (they would be truncated silently otherwise)"""
     lora_r: int = 0
@@ -753,15 +755,28 @@ def disable_dropout(model: torch.nn.Module) -> dict:
 
 
 def encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool, max_prompt_length: int,
-                   where: Optional[list[str]] = None) -> list[list[int]]:
-    """Token ids for each prompt, through the chat template when the tokenizer has one and it is wanted. where:
-    each prompt's origin (file:line) for the error messages."""
+                   where: Optional[list[str]] = None, system_prompt: Optional[str] = None) -> list[list[int]]:
+    """Token ids for each prompt, through the chat template when the tokenizer has one and it is wanted, after a
+    system message when one is given (which needs the template). where: each prompt's origin (file:line) for the
+    error messages."""
+    templated = use_chat_template and bool(tokenizer.chat_template)
+    if system_prompt is not None and not templated:
+        raise UserError("--system-prompt needs a chat template: the tokenizer has none"
+                        + (" (a base model: put the instruction in the prompts)" if use_chat_template else
+                           ", or --no-chat-template turned it off"))
+    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     encoded = []
     for index, prompt in enumerate(prompts):
         name = f"prompt {index}" if where is None else f"{where[index]}: the prompt"
-        if use_chat_template and tokenizer.chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+        if templated:
+            try:
+                ids = tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}],
+                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as error:  # (jinja2's TemplateError: Gemma's template raises on a system role)
+                if not system:
+                    raise
+                raise UserError(f"the chat template refuses the system message ({error}); leave out --system-prompt "
+                                "and put the instruction in the prompts") from None
         else:
             ids = tokenizer(prompt)["input_ids"]
         if len(ids) > max_prompt_length:
@@ -1307,7 +1322,8 @@ def evaluate(model, tokenizer, rows, args: Args, device, eos_ids: list[int], voc
     for start in range(0, len(rows), args.eval_batch_size):
         batch = rows[start:start + args.eval_batch_size]
         ids, mask = left_pad(encode_prompts(tokenizer, [r["prompt"] for r in batch], args.chat_template,
-                                            args.max_prompt_length), tokenizer.pad_token_id, device)
+                                            args.max_prompt_length, system_prompt=args.system_prompt),
+                             tokenizer.pad_token_id, device)
         completion_ids, completion_mask, _ = generate(model, ids, mask, max_new_tokens=args.max_new_tokens,
                                                       eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
                                                       stop_together=args.fsdp, decode_forward=decode_forward,
@@ -1724,7 +1740,8 @@ def train(args: Args) -> dict:
     # every prompt checked now, before anything is written: too long, empty, or no room left to complete it
     longest = max(len(ids) for ids in encode_prompts(
         tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template, args.max_prompt_length,
-        where=[r.get("where", f"built-in prompt {i}") for i, r in enumerate(train_rows + eval_rows)]))
+        where=[r.get("where", f"built-in prompt {i}") for i, r in enumerate(train_rows + eval_rows)],
+        system_prompt=args.system_prompt))
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if context and longest + args.max_new_tokens > context:
         # a learned table of positions (GPT-2's) has no row beyond it; rotary positions run on, untrained
@@ -1890,7 +1907,8 @@ def train(args: Args) -> dict:
            f"{args.group_size} completions per step", enabled=is_main)
     # what the model is given: which prompts, written how (the first one as the model sees it)
     templated = args.chat_template and bool(tokenizer.chat_template)
-    first = tokenizer.decode(encode_prompts(tokenizer, [train_rows[0]["prompt"]], args.chat_template, 10**9)[0])
+    first = tokenizer.decode(encode_prompts(tokenizer, [train_rows[0]["prompt"]], args.chat_template, 10**9,
+                                            system_prompt=args.system_prompt)[0])
     print0(f"{len(train_rows)} training prompts ({args.data_path or 'the built-in task'}), {len(eval_rows)} held out "
            f"({args.eval_data_path or ('the built-in task' if args.data_path is None else 'none')}); prompts "
            f"{'in the chat template' if templated else 'as raw text'}, the first: "
@@ -1975,7 +1993,7 @@ def train(args: Args) -> dict:
             # 1. rollout: every prompt repeated group_size times, sampled in one batch with a KV cache
             prompt_indices, rows = prompts_for_step(step)
             prompt_list = encode_prompts(tokenizer, [r["prompt"] for r in rows], args.chat_template,
-                                         args.max_prompt_length)
+                                         args.max_prompt_length, system_prompt=args.system_prompt)
             prompt_ids, prompt_mask = left_pad(prompt_list, tokenizer.pad_token_id, device)
             prompt_ids = prompt_ids.repeat_interleave(args.group_size, dim=0)  # [B, P], B = prompts x group
             prompt_mask = prompt_mask.repeat_interleave(args.group_size, dim=0)

@@ -314,6 +314,21 @@ def test_saved_model_and_jsonl_with_chat_template(tmp_path):
                        "--total-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0")
     assert f"40 training prompts ({data}), 0 held out (none); prompts as raw text, the first: '<bos>(10+20)%10='" in (
         process.stdout)
+    # a system message goes before every prompt through the template; without a template there is nowhere to put it
+    process = run_grpo(tmp_path / "system", "--model", str(model_dir), "--data-path", str(data), "--eval-data-path",
+                       str(evals), "--system-prompt", "0", "--total-steps", "1", "--prompts-per-step", "2",
+                       "--group-size", "2", "--eval-every", "0")
+    assert "prompts in the chat template, the first: '(0)((10+20)%10=)='" in process.stdout
+    assert grpo.encode_prompts(tokenizer, ["(1+2)%10="], True, 64, system_prompt="0") == [
+        tokenizer("(0)((1+2)%10=)=", add_special_tokens=False)["input_ids"]]
+    with pytest.raises(grpo.UserError, match="--system-prompt needs a chat template: the tokenizer has none, or "
+                                             "--no-chat-template turned it off"):
+        grpo.encode_prompts(tokenizer, ["(1+2)%10="], False, 64, system_prompt="0")
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role "
+                               "not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")  # (Gemma's refuses it)
+    with pytest.raises(grpo.UserError, match="the chat template refuses the system message .System role not "
+                                             "supported.; leave out --system-prompt"):
+        grpo.encode_prompts(tokenizer, ["(1+2)%10="], True, 64, system_prompt="0")
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])
