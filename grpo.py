@@ -464,7 +464,10 @@ def load_jsonl_prompts(path: str) -> list[dict]:
         except json.JSONDecodeError as error:
             raise UserError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UserError(f"{path}:{line_number}: each row needs a string field \"prompt\"")
+            other = [name for name in ("question", "problem", "query", "input")
+                     if isinstance(row, dict) and name in row]  # (GSM8K's and MATH's names)
+            raise UserError(f"{path}:{line_number}: each row needs a string field \"prompt\""
+                            + (f" (it has \"{other[0]}\": rename that field to \"prompt\")" if other else ""))
         answer = row.get("answer")
         if isinstance(answer, float) and not math.isfinite(answer):  # json reads NaN and Infinity as numbers
             raise UserError(f"{path}:{line_number}: the answer is {answer}, which no completion can equal (a "

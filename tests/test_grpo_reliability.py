@@ -54,6 +54,9 @@ BAD_INPUTS = {
                      "rows.jsonl:2: invalid JSON"),
     "missing field": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": "1+1="}\n')],
                       'rows.jsonl:1: each row needs a field "answer"'),
+    "gsm8k field names": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"question": "1+1?", "answer": "2"}\n')],
+                          'rows.jsonl:1: each row needs a string field "prompt" (it has "question": rename that '
+                          'field to "prompt")'),
     "wrong type": (lambda tmp: ["--data-path", bad_rows_file(tmp, '{"prompt": 3, "answer": "1"}\n')],
                    'rows.jsonl:1: each row needs a string field "prompt"'),
     "empty data set": (lambda tmp: ["--data-path", bad_rows_file(tmp, "\n\n")], "holds no rows"),
