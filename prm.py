@@ -285,7 +285,9 @@ def choose_threshold(step_scores: list, step_labels: list) -> float:
     one first_error_f1 per candidate: a solution's predicted first error (its first step scoring below t) moves
     only when t passes one of its running minima, from -1 to the lowest score's step, then to earlier record lows
     and finally to step 0, so those records are the only events. 0.5 when there are no scores, a score is not
-    finite, or the solutions are not both erroneous and correct ones (F1 is then NaN at every threshold)."""
+    finite, or the solutions are not both erroneous and correct ones (F1 is then NaN at every threshold), and when
+    F1 is 0 at every threshold (no first error is ever found: the lowest candidate, one below every score, would
+    read as a threshold of probability below 0)."""
     flat = np.asarray([s for scores in step_scores for s in scores], dtype=float)
     truths = [first_below(labels, 0.5) for labels in step_labels]
     num_err = sum(truth >= 0 for truth in truths)
@@ -319,7 +321,7 @@ def choose_threshold(step_scores: list, step_labels: list) -> float:
     midpoints = (values[1:] + values[:-1]) / 2  # [V - 1]
     midpoints = np.where(midpoints > values[:-1], midpoints, values[1:])
     candidates = np.concatenate([[values[0] - 1.0], midpoints, [values[-1] + 1.0]])
-    return float(candidates[int(np.argmax(f1))])
+    return float(candidates[int(np.argmax(f1))]) if f1.max() > 0 else 0.5
 
 
 def position_baseline(train_labels: list, lengths: list[int]) -> list[list[float]]:

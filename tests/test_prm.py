@@ -367,11 +367,12 @@ def test_non_finite_scores_make_every_metric_nan():
 
 
 def best_threshold_by_brute_force(scores, labels):
-    """Naive reference: first_error_f1 at every candidate (below all, each midpoint, above all), lowest on ties."""
+    """Naive reference: first_error_f1 at every candidate (below all, each midpoint, above all), lowest on ties;
+    0.5 when it is 0 at every one."""
     values = np.unique([s for row in scores for s in row])
     candidates = np.concatenate([[values[0] - 1.0], (values[1:] + values[:-1]) / 2, [values[-1] + 1.0]])
     f1s = [prm.first_error_f1(scores, labels, float(t))[0] for t in candidates]
-    return float(candidates[int(np.argmax(f1s))])
+    return float(candidates[int(np.argmax(f1s))]) if max(f1s) > 0 else 0.5
 
 
 def test_choose_threshold_finds_the_best_f1():
@@ -410,6 +411,11 @@ def test_choose_threshold_is_exact_against_brute_force():
     many_labels = [[1.0] * int(k) + [0.0] * (8 - int(k)) for k in rng.integers(0, 9, 300)]
     assert prm.choose_threshold(many_scores, many_labels) == best_threshold_by_brute_force(many_scores, many_labels)
     assert prm.choose_threshold([[0.3, float("nan")], [0.9]], [[1, 0], [1]]) == 0.5
+    # no threshold finds the error (it lies after the lowest score): F1 is 0 everywhere, and "one below every
+    # score" (-0.8 here) would print as a probability below 0
+    scores, labels = [[0.2, 0.9], [0.5, 0.6]], [[1, 0], [1, 1]]
+    assert max(prm.first_error_f1(scores, labels, t)[0] for t in np.linspace(-1, 2, 301)) == 0
+    assert prm.choose_threshold(scores, labels) == 0.5
     # scores one float apart: their midpoint rounds to the lower one, which would flag neither step
     low = 0.1
     high = float(np.nextafter(low, 1.0))
