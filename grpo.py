@@ -1109,7 +1109,8 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
             try:
                 values = [float(v) for v in fn(prompts, completions)]
             except Exception as error:  # one call scores the whole batch: every sample's reward failed
-                failure = _reward_failure(name, sample_indices[0], completions[0], f"{type(error).__name__}: {error} "
+                failure = _reward_failure(name, sample_indices[0], completions[0], answers[0],
+                                          f"{type(error).__name__}: {error} "
                                           "(one call scores the whole batch: every sample failed)", on_error,
                                           failures)
                 per_fn[name] = torch.full((len(completions),), failure)
@@ -1122,13 +1123,13 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
                     values.append(float(fn(completion, answer)))
                 except Exception as error:
                     raised.add(index)
-                    values.append(_reward_failure(name, sample_indices[index], completion,
+                    values.append(_reward_failure(name, sample_indices[index], completion, answer,
                                                   f"{type(error).__name__}: {error}", on_error, failures))
         for index, value in enumerate(values):
             # (beyond float32's range a finite value becomes inf in the rewards tensor)
             if index not in raised and not (math.isfinite(value) and abs(value) <= torch.finfo(torch.float32).max):
-                values[index] = _reward_failure(name, sample_indices[index], completions[index], f"returned {value}",
-                                                on_error, failures)
+                values[index] = _reward_failure(name, sample_indices[index], completions[index], answers[index],
+                                                f"returned {value}", on_error, failures)
         per_fn[name] = torch.tensor(values, dtype=torch.float32)
         totals += weight * per_fn[name]
     for message in failures[:5]:  # (a few, not one line per sample of every step)
@@ -1139,8 +1140,9 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
     return totals, per_fn
 
 
-def _reward_failure(name: str, index: int, completion: str, problem: str, on_error: str, failures: list) -> float:
-    message = f"reward {name} failed on sample {index} (completion {completion!r}): {problem}"
+def _reward_failure(name: str, index: int, completion: str, answer: str, problem: str, on_error: str,
+                    failures: list) -> float:
+    message = f"reward {name} failed on sample {index} (completion {completion!r}, answer {answer!r}): {problem}"
     if on_error == "raise":
         raise UserError(message + "; fix the reward function, or pass --reward-errors skip to leave such "
                         "samples out of the step")

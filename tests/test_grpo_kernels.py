@@ -1622,7 +1622,7 @@ def test_a_failed_reward_names_the_sample_by_its_index_in_the_whole_batch(capsys
     def nan_on_two(completion, answer):
         return float("nan") if completion == "2" else 1.0
 
-    with pytest.raises(UserError, match="reward answer failed on sample 33 .*'2'.*returned nan"):
+    with pytest.raises(UserError, match="reward answer failed on sample 33 .completion '2', answer '1'.: returned nan"):
         compute_rewards(["p", "p", "p"], ["1", "2", "3"], ["1", "1", "1"], [("answer", nan_on_two, 1.0)], "raise",
                         sample_indices=[32, 33, 34])
     totals, _ = compute_rewards(["p", "p"], ["2", "3"], ["1", "1"], [("answer", nan_on_two, 1.0)], "skip",
