@@ -465,7 +465,7 @@ def load_jsonl_prompts(path: str) -> list[dict]:
             raise UserError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             other = [name for name in ("question", "problem", "query", "input")
-                     if isinstance(row, dict) and name in row]  # (GSM8K's and MATH's names)
+                     if isinstance(row, dict) and "prompt" not in row and name in row]  # (GSM8K's and MATH's names)
             raise UserError(f"{path}:{line_number}: each row needs a string field \"prompt\""
                             + (f" (it has \"{other[0]}\": rename that field to \"prompt\")" if other else ""))
         answer = row.get("answer")
@@ -1135,8 +1135,8 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
     for message in failures[:5]:  # (a few, not one line per sample of every step)
         print0("warning: " + message, file=sys.stderr)
     if len(failures) > 5:
-        print0(f"warning: {len(failures) - 5} more reward failures in this step (counted in reward_errors)",
-               file=sys.stderr)
+        print0(f"warning: {len(failures) - 5} more reward failures among this process's samples of the step "
+               "(counted in reward_errors)", file=sys.stderr)
     return totals, per_fn
 
 
@@ -1440,7 +1440,7 @@ def unfinished_saves(output_dir: str) -> list[str]:
 
 # what a checkpoint must agree on with the run that resumes from it
 # (not data_path: the rows' content is checked instead, so that the same file can be given by another path)
-RESUME_MUST_MATCH = ("model", "lora_r", "lora_alpha", "lora_target_modules", "chat_template",
+RESUME_MUST_MATCH = ("model", "lora_r", "lora_alpha", "lora_target_modules", "chat_template", "system_prompt",
                      "prompts_per_step", "group_size", "num_iterations", "num_minibatches", "loss_type",
                      "importance_sampling", "kl_coef", "seed", "fsdp")
 
@@ -1503,7 +1503,6 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
 def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torch.device:
     """--device as a torch.device: auto = a GPU if there is one, else the CPU; a GPU named without an index
     ("cuda") is this process's own (LOCAL_RANK under torchrun), as torch.cuda.set_device needs an index.
-    A process that sees one GPU only (a launcher gave each its own: srun --gpus-per-task 1) takes that one.
     local_processes: torchrun's processes on this machine (LOCAL_WORLD_SIZE), each of which needs a GPU of its own."""
     try:
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
@@ -1511,12 +1510,11 @@ def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torc
         raise UserError(f"--device {name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         visible = torch.cuda.device_count()
-        if device.index is not None and local_processes > 1 and visible > 1:  # NCCL refuses 2 processes on 1 GPU
+        if device.index is not None and local_processes > 1:  # NCCL refuses two processes on one GPU
             raise UserError(f"--device {name} puts every one of the {local_processes} processes on this machine on "
                             "the same GPU: use --device cuda (each process takes GPU LOCAL_RANK), and "
                             "CUDA_VISIBLE_DEVICES to choose the GPUs")
-        if device.index is None:
-            device = torch.device("cuda", 0 if visible == 1 else local_rank)
+        device = torch.device("cuda", local_rank if device.index is None else device.index)
         if device.index >= visible:
             raise UserError(f"--device {name}: there is no {device} here ({visible} CUDA devices "
                             "visible); use --device cpu or auto")
@@ -1541,11 +1539,13 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.lora_r == 0 or args.lora_alpha > 0, f"--lora-alpha must be > 0 (the adapter's scale is alpha / r: at "
           f"0 nothing trains), got {args.lora_alpha}")
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
+    check(args.max_bad_steps >= 1, f"--max-bad-steps must be at least 1, got {args.max_bad_steps}")
     check(all(math.isfinite(w) for w in (args.answer_reward_weight, args.format_reward_weight, args.prm_weight)),
           "--answer-reward-weight, --format-reward-weight and --prm-weight must be finite numbers")
-    check(not re.search(r"\\[nt]", args.prm_step_separator or ""), f"--prm-step-separator {args.prm_step_separator!r} "
-          "holds a backslash and a letter, not a line break: a shell passes \"\\n\" as those two characters; in bash "
-          "write $'\\n\\n' for a blank line")
+    # (the typing mistake only: escapes and spaces; "\\newline" or "\\text{Step}" may be a separator)
+    check(not re.fullmatch(r"(?:\\[nt]|\s)*\\[nt](?:\\[nt]|\s)*", args.prm_step_separator or ""),
+          f"--prm-step-separator {args.prm_step_separator!r} holds a backslash and a letter, not a line break: a shell "
+          "passes \"\\n\" as those two characters; in bash write $'\\n\\n' for a blank line")
     check(min(args.total_steps, args.prompts_per_step, args.num_iterations, args.num_minibatches) >= 1,
           "--total-steps, --prompts-per-step, --num-iterations and --num-minibatches must be at least 1")
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "
@@ -2267,7 +2267,7 @@ def train(args: Args) -> dict:
                                 "--learning-rate or check the reward scale")
             every_reward_failed = sums["reward_errors"] >= sums["completions"]
             failed_reward_steps_in_a_row = failed_reward_steps_in_a_row + 1 if every_reward_failed else 0
-            if failed_reward_steps_in_a_row >= args.max_bad_steps:
+            if every_reward_failed and failed_reward_steps_in_a_row >= args.max_bad_steps:
                 raise UserError(f"the reward failed on every sample of {args.max_bad_steps} steps in a row "
                                 "(--reward-errors skip; see the warnings above): fix the reward function")
             # a signal stops every process after the same step (torchrun forwards it to all, not at the same moment)
@@ -2327,7 +2327,7 @@ def train(args: Args) -> dict:
         "trained_tokens_per_s": per_second(sum(trained_tokens[timed]), sum(timings["update"][timed])),
         # (ru_maxrss, the kernel's high-water mark, can lag the resident set that the samples read: measured 0.13 MiB
         # below an earlier sample)
-        "peak_memory_mb": max(peak_memory_mb(device), *memory_samples),
+        "peak_memory_mb": max([peak_memory_mb(device), *memory_samples]),
         "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
         "eval_accuracy_start": eval_accuracy_start,
         "eval_accuracy_end": eval_accuracy,

@@ -736,7 +736,8 @@ def use_packing(prm: ProcessRewardModel) -> bool:
     device, vocab = prm.head.weight.device, prm.backbone.config.vocab_size
     # made-up examples of ordinary tokens: a pad id is taken by some models for padding that wants an attention mask
     # (a warning), and BOS or EOS may be treated apart
-    special = {*prm.tokenizer.all_special_ids, prm.backbone.config.pad_token_id} if prm.tokenizer is not None else set()
+    special = ({*prm.tokenizer.all_special_ids, getattr(prm.backbone.config, "pad_token_id", None)}
+               if prm.tokenizer is not None else set())
     ordinary = [i for i in range(vocab) if i not in special] or list(range(vocab))
 
     def tokens(indices) -> list[int]:
@@ -1306,7 +1307,6 @@ def auto_dtype(device: torch.device) -> torch.dtype:
 def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torch.device:
     """--device as a torch.device. auto = this process's GPU when there is one, else the CPU; a CUDA device without
     an index is this process's GPU too (cuda:LOCAL_RANK under torchrun), since torch.cuda.set_device needs one.
-    A process that sees one GPU only (a launcher gave each its own: srun --gpus-per-task 1) takes that one.
     local_processes: torchrun's processes on this machine (LOCAL_WORLD_SIZE), each of which needs a GPU of its own."""
     try:
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
@@ -1314,12 +1314,11 @@ def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torc
         raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         visible = torch.cuda.device_count()
-        if device.index is not None and local_processes > 1 and visible > 1:  # NCCL refuses 2 processes on 1 GPU
+        if device.index is not None and local_processes > 1:  # NCCL refuses two processes on one GPU
             raise UserError(f"--device {name} puts every one of the {local_processes} processes on this machine on "
                             "the same GPU: use --device cuda (each process takes GPU LOCAL_RANK), and "
                             "CUDA_VISIBLE_DEVICES to choose the GPUs")
-        if device.index is None:
-            device = torch.device("cuda", 0 if visible == 1 else local_rank)
+        device = torch.device("cuda", local_rank if device.index is None else device.index)
         if device.index >= visible:
             raise UserError(f"--device {name}: there is no {device} here ({visible} CUDA devices "
                             "visible); use --device cpu or auto")
@@ -1381,9 +1380,10 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(0.0 <= args.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     check(bool(args.step_separator), "--step-separator must not be empty: each step's label sits on its "
           "separator's last token")
-    check(not re.search(r"\\[nt]", args.step_separator), f"--step-separator {args.step_separator!r} holds a "
-          "backslash and a letter, not a line break: a shell passes \"\\n\" as those two characters; in bash write "
-          "$'\\n\\n' for a blank line")
+    # (the typing mistake only: escapes and spaces; "\\newline" or "\\text{Step}" may be a separator)
+    check(not re.fullmatch(r"(?:\\[nt]|\s)*\\[nt](?:\\[nt]|\s)*", args.step_separator),
+          f"--step-separator {args.step_separator!r} holds a backslash and a letter, not a line break: a shell passes "
+          "\"\\n\" as those two characters; in bash write $'\\n\\n' for a blank line")
     check(args.max_length >= 1, f"--max-length must be at least 1, got {args.max_length}")
     check(args.epochs is None or 0 < args.epochs < math.inf,
           f"--epochs must be > 0 and finite, got {args.epochs}")
@@ -1876,8 +1876,8 @@ def train(args: Args) -> dict:
                enabled=is_main)
 
     # ---- output directory and logging: nothing is written before this point
-    # (every process has checked --output-dir and read --model and the checkpoint, which may lie in it, before rank 0
-    # changes it: the weights' broadcast above waits for them all, as sharding them does under FSDP)
+    if distributed:  # every process has checked --output-dir and read --model and the checkpoint (which may lie in
+        dist.barrier()  # it) before rank 0 changes it: a late process would find a run there, or a model half deleted
     if is_main:
         if args.overwrite and not resuming_here:
             clear_run(output_dir)
@@ -2152,7 +2152,7 @@ def train(args: Args) -> dict:
         "tokens_per_s": per_second(sum(step_tokens[timed]), sum(step_times[timed])),
         # (ru_maxrss, the kernel's high-water mark, can lag the resident set that the samples read: measured 0.13 MiB
         # below an earlier sample)
-        "peak_memory_mb": max(peak_memory_mb(device), *memory_samples),
+        "peak_memory_mb": max([peak_memory_mb(device), *memory_samples]),
         "mean_memory_mb": float(np.mean(memory_samples)) if memory_samples else memory_mb(device),
         **{f"{key}_start": value for key, value in eval_start.items() if key != "eval_first_error_threshold"},
         **{f"{key}_end": value for key, value in eval_metrics.items()},

@@ -328,35 +328,42 @@ def test_a_stop_signal_while_rank_0_writes_the_final_model_stops_every_process_c
         assert (out / "checkpoint-2").is_dir()
 
 
-LATE_RANK_1 = '''"""torchrun launcher: grpo.py whose rank 1 loads its model 3 s late (a slow file system).
-    torchrun ... late_rank_1.py <repo> <flags>"""
-import os, sys, time
+LATE_RANK_1 = '''"""torchrun launcher: grpo.py or prm.py (--fsdp allowed on CPU) whose rank 1 loads its model 3 s
+    late (a slow file system).
+    torchrun ... late_rank_1.py <repo> <grpo|prm> <flags>"""
+import importlib, os, sys, time
 sys.path.insert(0, sys.argv[1])
-import grpo
-load = grpo.load_model_and_tokenizer
+script = importlib.import_module(sys.argv[2])
+script.FSDP_DEVICE_TYPES = ("cuda", "cpu")
+name = "load_model_and_tokenizer" if sys.argv[2] == "grpo" else "load_backbone_and_tokenizer"
+load = getattr(script, name)
 def late_load(*args, **kwargs):
     if os.environ["RANK"] == "1":
         time.sleep(3)
     return load(*args, **kwargs)
-grpo.load_model_and_tokenizer = late_load
-sys.argv = ["grpo.py", *sys.argv[2:]]
-grpo.main()
+setattr(script, name, late_load)
+sys.argv = [sys.argv[2] + ".py", *sys.argv[3:]]
+script.main()
 '''
 
 
-def test_rank_0_changes_the_output_dir_only_once_every_process_has_read_the_model(tmp_path):
+# prm.py: sharded (no broadcast of the weights, whose wait on gloo would hide the race) and without the packing check
+# (whose forward waits too)
+@pytest.mark.parametrize("script, flags", [("grpo", ["--prompts-per-step", "2", "--group-size", "4",
+                                                      "--num-eval-prompts", "8"]),
+                                           ("prm", ["--batch-size", "8", "--num-eval-rows", "20", "--num-val-rows",
+                                                    "20", "--fsdp", "--no-pack-rows"])])
+def test_rank_0_changes_the_output_dir_only_once_every_process_has_read_the_model(script, flags, tmp_path):
     """--overwrite with --model <output dir>/final (start again from the last run's weights, in its place): rank 0
-    deletes final/ when it clears the run; a process still loading that model must have read it first. (prm.py's
-    processes wait for each other after loading, in the broadcast of the weights or their sharding.)"""
+    deletes final/ when it clears the run; a process still loading that model must have read it first."""
     out = tmp_path / "run"
-    quick = ["--total-steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
-             "--num-eval-prompts", "8"]
-    run_one("grpo", out, *quick)
+    run_one("grpo", out, "--total-steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+            "--num-eval-prompts", "8")
     launcher = tmp_path / "late_rank_1.py"
     launcher.write_text(LATE_RANK_1)
     process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                              str(launcher), str(REPO_ROOT), "--model", str(out / "final"), "--overwrite",
-                              "--output-dir", str(out), *quick], cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=300, env=ENV)
+                              str(launcher), str(REPO_ROOT), script, "--model", str(out / "final"), "--overwrite",
+                              "--output-dir", str(out), "--total-steps", "1", "--eval-every", "0", *flags],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert process.returncode == 0, process.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 1

@@ -65,6 +65,7 @@ BAD_INPUTS = {
     "a PRM at weight 0 and no other reward": (
         lambda tmp: ["--prm-path", str(tmp), "--prm-weight", "0", "--answer-reward-weight", "0",
                      "--format-reward-weight", "0"], "every reward weight is 0: give --answer-reward-weight"),
+    "no bad step allowed": (lambda tmp: ["--max-bad-steps", "0"], "--max-bad-steps must be at least 1, got 0"),
     "a separator typed as backslash-n": (lambda tmp: ["--prm-step-separator", "\\n\\n"],
                                          "holds a backslash and a letter, not a line break: a shell passes"),
     "a prm.py PRM as the model": (lambda tmp: ["--model", made_dir(tmp / "prm", "prm_config.json", "config.json")],
@@ -138,6 +139,19 @@ def test_bad_input_exits_2_with_one_clear_line(case, tmp_path, capsys):
     assert message in err
     assert err.startswith("error: ") and err.count("\n") == 1  # one line, no traceback
     assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("script", ["grpo", "prm"])
+def test_a_separator_with_a_backslash_is_refused_only_as_a_typed_line_break(script):
+    """"\\n\\n" typed in bash is a backslash and an n, twice: refused; a LaTeX separator is a separator."""
+    import prm
+
+    module, flag = (grpo, "prm_step_separator") if script == "grpo" else (prm, "step_separator")
+    for typed in ("\\n\\n", "\\n", " \\t "):
+        with pytest.raises(module.UserError, match="holds a backslash and a letter, not a line break"):
+            module.validate_args(module.Args(**{flag: typed}), 1, torch.device("cpu"))
+    for separator in ("\n\n", "\\newline", "\\text{Step}", " \\therefore "):
+        module.validate_args(module.Args(**{flag: separator}), 1, torch.device("cpu"))
 
 
 def test_one_gpu_named_for_every_torchrun_process_is_refused(tmp_path, capsys, monkeypatch):
@@ -659,7 +673,8 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_under_skip(tmp_path, 
     assert [row["step"] for row in read_metrics(out)] == [1, 2]
     # a few warnings a step (not one per sample), then their count
     assert err.count("warning: reward answer failed") == 2 * 5
-    assert err.count("warning: 11 more reward failures in this step (counted in reward_errors)") == 2
+    assert err.count("warning: 11 more reward failures among this process's samples of the step (counted in "
+                     "reward_errors)") == 2
 
 
 def test_non_finite_loss_skips_updates_then_stops(tmp_path, capsys, monkeypatch):

@@ -755,7 +755,8 @@ def test_resume_keeps_the_schedules_position(tmp_path, capsys):
 
 
 OTHER_SETTINGS = {"model": "other", "lora_r": 4, "lora_alpha": 8, "lora_target_modules":
-                  "q_proj", "chat_template": False, "prompts_per_step": 8, "group_size": 8, "num_iterations": 2,
+                  "q_proj", "chat_template": False, "system_prompt": "Answer briefly.", "prompts_per_step": 8,
+                  "group_size": 8, "num_iterations": 2,
                   "num_minibatches": 2, "loss_type": "grpo", "importance_sampling": "sequence", "kl_coef": 0.5,
                   "seed": 2, "fsdp": True}  # not read from RESUME_MUST_MATCH (the data: its content, tested apart)
 

@@ -667,6 +667,17 @@ def test_the_packing_check_feeds_no_special_token():
         ids = set(torch.cat([batch.flatten() for batch in fed]).tolist())
         assert fed and ids.isdisjoint({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, 7}
                                       if pad_id else set(tokenizer.all_special_ids)), ids
+    model.backbone = ConfigWithoutPadBackbone(model.backbone)  # (CodeGen's and RWKV's configs have no such field)
+    assert not hasattr(model.backbone.config, "pad_token_id") and prm.use_packing(model)
+
+
+class ConfigWithoutPadBackbone(torch.nn.Module):
+    def __init__(self, backbone):
+        super().__init__()
+        self.inner, self.config = backbone, SimpleNamespace(vocab_size=backbone.config.vocab_size)
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
