@@ -1763,6 +1763,10 @@ def train(args: Args) -> dict:
         print0(f"note: {inner} training steps contain the separator {args.step_separator!r}: each is one step here, "
                "scored at its end, but split_steps (and grpo.py's PRM reward) cut generated text at every separator",
                enabled=is_main)
+    blank = sum(not step.strip() for row in train_rows for step in row["completions"])
+    if blank:  # trained on, but never met in generated text: split_steps leaves blank pieces out
+        print0(f"note: {blank} training steps are blank: trained as steps here, but split_steps (and grpo.py's PRM "
+               "reward) leave blank pieces of generated text out", enabled=is_main)
     if not train_examples:
         raise UserError(f"every training row was truncated away (--max-length {args.max_length}): raise "
                         "--max-length or shorten the prompts")

@@ -543,6 +543,7 @@ def test_notes_for_metrics_that_one_kind_of_label_leaves_nan_and_for_steps_holdi
     solution split on every separator is not."""
     rows = builtin_rows(48)
     rows[0] = {**rows[0], "completions": [rows[0]["completions"][0] + "\nand so", *rows[0]["completions"][1:]]}
+    rows[1] = {**rows[1], "completions": [*rows[1]["completions"], " "], "labels": [*rows[1]["labels"], 0]}
     data = write_rows(tmp_path / "train.jsonl", rows)
     correct = [row for row in builtin_rows(200) if min(row["labels"]) == 1][:6]
     wrong_only = [{**row, "labels": [0] * len(row["labels"])} for row in correct]
@@ -556,6 +557,7 @@ def test_notes_for_metrics_that_one_kind_of_label_leaves_nan_and_for_steps_holdi
         noted = re.findall(r"note: eval (\w+) will be nan: it needs both", stdout)
         assert noted == nan_metrics, stdout
         assert "note: 1 training steps contain the separator '\\n': each is one step here" in stdout
+        assert "note: 1 training steps are blank: trained as steps here, but split_steps" in stdout
         summary = read_summary(tmp_path / "run")
         assert all(summary[f"eval_{metric}_end"] is None for metric in nan_metrics)
 
