@@ -1635,10 +1635,10 @@ def train(args: Args) -> dict:
     resume_path = resolve_resume(args, output_dir)
     resuming_here = resume_path is not None and os.path.realpath(os.path.dirname(
         os.path.abspath(resume_path.rstrip("/")))) == os.path.realpath(output_dir)
-    holds_run = any(os.path.exists(os.path.join(output_dir, name)) for name in RUN_FILES[:3]) or bool(
-        checkpoint_steps(output_dir))  # (any part of a run)
+    checkpoints = checkpoint_steps(output_dir)
+    holds_run = any(os.path.exists(os.path.join(output_dir, name)) for name in RUN_FILES[:3]) or bool(checkpoints)
     if not resuming_here and holds_run and not args.overwrite:
-        if not checkpoint_steps(output_dir) and final_step(output_dir) is None:  # (nothing --resume-from can read)
+        if not checkpoints and final_step(output_dir) is None:  # (nothing --resume-from can read)
             raise UserError(f"{output_dir} already holds a run, stopped before its first checkpoint: pass --overwrite "
                             "to start it again, or another --output-dir")
         raise UserError(f"{output_dir} already holds a run: pass --overwrite to replace it, --resume-from latest "
