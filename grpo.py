@@ -259,6 +259,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     A NaN reward (a sample whose reward failed) is left out: the mean and std are those of the other samples,
     as if it had never been drawn, and its own advantage is 0.
     """
+    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (0/1 correctness as ints or bools)
     grouped = rewards.view(-1, group_size)  # [num_groups, group_size]
     valid = ~torch.isnan(grouped)
     count = valid.sum(dim=1, keepdim=True)  # [num_groups, 1]
@@ -340,7 +341,10 @@ def grpo_loss(
     A<0 and r > delta: bounded above, no gradient either), pg_loss, kl_mean (with a reference only); plus `tokens`,
     this part's token count, to weight them when combining parts.
     """
-    mask = mask.to(logp.dtype)
+    # the arithmetic and the sums in fp32 at least, whatever the inputs' dtype: a bf16 mask counts 501 tokens as 500
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    logp, old_logp, advantages, mask = logp.to(dtype), old_logp.to(dtype), advantages.to(dtype), mask.to(dtype)
+    ref_logp = ref_logp.to(dtype) if ref_logp is not None else None
     num_sequences = total_sequences if total_sequences is not None else logp.shape[0]
     num_tokens = total_tokens if total_tokens is not None else mask.sum().item()
     adv = advantages.unsqueeze(1)  # [B, 1]
@@ -415,7 +419,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         logps.append(chunk_logp.gather(-1, targets[start:start + rows_per_chunk].unsqueeze(-1)).squeeze(-1))
         if with_entropy:
             with torch.no_grad():
-                entropies.append(-(chunk_logp.exp() * chunk_logp).sum(-1))
+                # entr(p) = -p log p, 0 at p = 0: a -inf logit (a masked id) adds 0, where p * log p is 0 * -inf = NaN
+                entropies.append(torch.special.entr(chunk_logp.exp()).sum(-1))
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
 
 
@@ -532,10 +537,20 @@ def parse_number(text: str, whole: bool = False) -> Optional[Fraction]:
         return None
 
 
+# what \frac{}{} can hold and still be written a/b without brackets: a numerator with no operator after its sign (2x,
+# \pi r), a denominator that is one number, letter or command (2, x, \pi; not 2x: 1/2x reads as x/2)
+_BARE_NUMERATOR = re.compile(rf"\s*[-+]?(?:{_UNSIGNED}|[^-+*/=,<>]*)\s*")
+_BARE_DENOMINATOR = re.compile(rf"\s*(?:[-+]?{_UNSIGNED}|[A-Za-z]|\\[A-Za-z]+)\s*")
+
+
 def latex_fraction_as_text(match: re.Match) -> str:
-    """\\frac{a}{b} -> "a/b"; the mixed number 2\\frac{1}{2} -> "5/2" (gluing the digits would give 21/2)."""
+    """\\frac{a}{b} -> "a/b", bracketed where a/b would read otherwise: \\frac{x+1}{2} -> "(x+1)/2" (not x+1/2, which
+    is x+\\frac{1}{2}), \\frac{1}{2x} -> "1/(2x)" (not \\frac{1}{2}x); the mixed number 2\\frac{1}{2} -> "5/2" (gluing
+    the digits would give 21/2)."""
     whole, numerator, denominator = match.groups()
     if whole is None:
+        numerator = numerator if _BARE_NUMERATOR.fullmatch(numerator) else f"({numerator})"
+        denominator = denominator if _BARE_DENOMINATOR.fullmatch(denominator) else f"({denominator})"
         return f"{numerator}/{denominator}"
     # (isdecimal, not isdigit: int() rejects the digits isdigit also accepts, such as "²")
     if not (numerator.strip().isdecimal() and denominator.strip().isdecimal()) or not denominator.strip("0 "):

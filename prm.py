@@ -232,18 +232,21 @@ def prm_loss(step_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
 
 def step_accuracy(scores, labels, threshold: float = 0.5) -> float:
     """Fraction of steps where score >= threshold agrees with label >= 0.5 (a soft label of 0.5 counts as
-    correct). Flat sequences of step scores and labels; NaN when empty."""
+    correct). Flat sequences of step scores and labels; NaN when empty or when a score is NaN (a diverged model's:
+    NaN >= threshold would count it as a wrong step, an accuracy that hides it)."""
     scores, labels = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
-    return float(np.mean((scores >= threshold) == (labels >= 0.5))) if len(scores) else float("nan")
+    if len(scores) == 0 or np.isnan(scores).any():
+        return float("nan")
+    return float(np.mean((scores >= threshold) == (labels >= 0.5)))
 
 
 def auroc(scores, labels) -> float:
     """Area under the ROC curve of step scores, correct steps (label >= 0.5) as the positive class: the chance
     that a random correct step outscores a random wrong one, ties counting one half (Mann-Whitney U with average
-    ranks). NaN when either class is absent."""
+    ranks). NaN when either class is absent, or when a score is NaN (argsort would rank it above every number)."""
     scores, positive = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float) >= 0.5
     num_pos, num_neg = int(positive.sum()), int((~positive).sum())
-    if num_pos == 0 or num_neg == 0:
+    if num_pos == 0 or num_neg == 0 or np.isnan(scores).any():
         return float("nan")
     order = np.argsort(scores, kind="mergesort")
     _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)

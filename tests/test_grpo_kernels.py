@@ -584,6 +584,24 @@ def test_all_masked_batch(loss_type):
     assert stats["tokens"].item() == 0
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_bf16_inputs_are_computed_and_counted_in_fp32(loss_type):
+    # 501 masked tokens: a bf16 mask sums them to 500 (8 bits of mantissa); the kernel must not compute in bf16
+    logp = (torch.randn(2, 1000, generator=torch.Generator().manual_seed(3)) * 0.1 - 3).bfloat16()
+    old_logp = (logp.float() + 0.05 * torch.randn(2, 1000, generator=torch.Generator().manual_seed(4))).bfloat16()
+    ref_logp = (logp.float() + 0.05).bfloat16()
+    mask = torch.ones(2, 1000)
+    mask[0, 501:] = 0
+    adv = torch.tensor([1.0, -1.0])
+    kw = dict(kl_coef=0.1, loss_type=loss_type, max_completion_length=1000)
+    expected, expected_stats = grpo_loss(logp.float(), old_logp.float(), ref_logp.float(), adv, mask, **kw)
+    loss, stats = grpo_loss(logp, old_logp, ref_logp, adv.bfloat16(), mask.bfloat16(), **kw)
+    assert loss.dtype == torch.float32 and stats["tokens"].item() == 1501
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    for key, value in expected_stats.items():
+        assert stats[key].item() == pytest.approx(value.item(), rel=1e-6), key
+
+
 def test_boolean_and_integer_masks():
     logp, old_logp, ref_logp, adv, mask = make_batch(seed=8, dtype=torch.float32)
     kw = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=0.1, loss_type="grpo")
@@ -797,6 +815,13 @@ def test_group_advantages_with_failures_match_loops(scale):
     assert group_advantages(rewards, group_size, scale).tolist() == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_of_integer_and_boolean_rewards(scale):
+    expected = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), 3, scale)
+    for rewards in (torch.tensor([1, 0, 0, 1, 1, 1]), torch.tensor([True, False, False, True, True, True])):
+        torch.testing.assert_close(group_advantages(rewards, 3, scale), expected, rtol=0, atol=0)
+
+
 def test_group_advantages_invalid_scale():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(4), 2, "median")
@@ -840,6 +865,14 @@ def test_token_logprobs_chunking_identical_and_bf16_in_fp32():
         for t in range(3):
             row = naive_log_softmax_row([float(v) for v in half[i, t].float().tolist()], 0.7)
             assert out[i, t].item() == pytest.approx(row[targets[i, t].item()], abs=1e-5)
+
+
+def test_entropy_with_a_minus_infinity_logit_is_that_of_the_other_tokens():
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(2))
+    logits[..., 3] = -math.inf  # a masked id: probability 0, entropy contribution 0 (not 0 * -inf)
+    _, entropy = token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), with_entropy=True)
+    p = torch.softmax(logits[..., [0, 1, 2, 4]], dim=-1)
+    torch.testing.assert_close(entropy, -(p * p.log()).sum(-1))
 
 
 def test_token_logprobs_over_the_tokenizers_ids_only():
@@ -1533,6 +1566,12 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     # a denominator written as a numerator is, decimal or with thousands separators: all of it, not its start
     ("#### 1.5/2.5", "0.6", 1.0), ("#### 1.5/2.5", "0.75", 0.0), ("#### 3/1.5", "2", 1.0), ("#### 3/1.5", "3", 0.0),
     ("#### 1,500/2,000", "0.75", 1.0), ("#### 1,500/2,000", "750", 0.0), ("#### 1/.5", "2", 1.0),
+    # \\frac{a}{b} as text: a sum over, or a product under, the bar is bracketed, or x+1/2 would be (x+1)/2
+    ("\\boxed{x+\\frac{1}{2}}", "\\frac{x+1}{2}", 0.0), ("\\boxed{\\frac{x+1}{2}}", "\\frac{x+1}{2}", 1.0),
+    ("\\boxed{\\frac{1}{2}x}", "\\frac{1}{2x}", 0.0), ("\\boxed{\\frac{1}{2}\\pi}", "\\frac{1}{2\\pi}", 0.0),
+    ("\\boxed{\\frac{a}{b+c}}", "\\frac{a}{b}+c", 0.0), ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2", 1.0),
+    ("\\boxed{\\frac{2x}{3}}", "2x/3", 1.0), ("\\boxed{\\frac{1,500}{2,000}}", "0.75", 1.0),
+    ("\\boxed{\\frac{x+1}{2}}", "(x+1)/2", 1.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected

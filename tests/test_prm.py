@@ -283,6 +283,9 @@ def test_step_accuracy_and_auroc_by_hand():
     assert prm.auroc([0.5, 0.5, 0.5], [1, 0, 1]) == 0.5
     assert math.isnan(prm.auroc([0.1, 0.9], [1, 1]))
     assert prm.auroc([0.9, 0.1], [0.5, 0.0]) == 1.0  # a soft label of 0.5 is a correct step here too
+    # a NaN score (a diverged model) makes both NaN: argsort ranks NaN above every number, >= calls it wrong
+    assert math.isnan(prm.auroc([0.5, float("nan"), 0.2], [1, 0, 0]))
+    assert math.isnan(prm.step_accuracy([0.9, float("nan")], [1, 0]))
 
 
 def test_auroc_matches_pairwise_count_with_many_ties():
