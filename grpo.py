@@ -450,13 +450,15 @@ def load_jsonl_prompts(path: str) -> list[dict]:
         raise UserError(f"data file {path!r} does not exist; pass {what}")
     if os.path.isdir(path):
         raise UserError(f"data file {path!r} is a directory; pass {what}")
-    rows = []
+    rows, placeholder_answers = [], []
     try:
         with open(path, "rb") as f:  # bytes, decoded line by line: a non-UTF-8 line is reported with its number
-            lines = f.readlines()
+            data = f.read()
     except OSError as error:
         raise UserError(f"cannot read data file {path!r}: {error.strerror or error}") from None
-    for line_number, raw_line in enumerate(lines, start=1):
+    check_jsonl_bytes(path, data, what)
+    # (splitlines: also at a lone CR, which no JSON text holds unescaped)
+    for line_number, raw_line in enumerate(data.splitlines(), start=1):
         try:
             line = raw_line.decode("utf-8-sig")  # -sig: drops the byte-order mark Windows tools write
         except UnicodeDecodeError as error:
@@ -464,30 +466,76 @@ def load_jsonl_prompts(path: str) -> list[dict]:
                             "line); convert the file to UTF-8") from None
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
+        try:  # (numbers as written: a float would keep 17 of 0.333333333333333333's digits)
+            row = json.loads(line, parse_float=Decimal)
+        except (ValueError, RecursionError) as error:  # (also a 5,000-digit integer, 100,000 nested lists)
+            reason = error.msg if isinstance(error, json.JSONDecodeError) else (
+                "nested too deeply" if isinstance(error, RecursionError) else "a number of over 4,300 digits")
+            raise UserError(f"{path}:{line_number}: invalid JSON ({reason})") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), list):
+            raise UserError(f"{path}:{line_number}: the prompt is a list (chat messages?); give the question as a "
+                            "string, which is put in the tokenizer's chat template as the user's turn "
+                            "(--system-prompt adds a system message)")
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             other = [name for name in ("question", "problem", "query", "input")
                      if isinstance(row, dict) and "prompt" not in row and name in row]  # (GSM8K's and MATH's names)
             raise UserError(f"{path}:{line_number}: each row needs a string field \"prompt\""
                             + (f" (it has \"{other[0]}\": rename that field to \"prompt\")" if other else ""))
+        if not row["prompt"].strip():
+            raise UserError(f"{path}:{line_number}: the prompt is empty; give the question")
+        if not is_unicode(row["prompt"]):
+            raise UserError(f"{path}:{line_number}: the prompt holds a lone surrogate, half of a UTF-16 pair (text cut "
+                            "inside an emoji?), which no tokenizer can encode; mend or drop the row")
         answer = row.get("answer")
         if isinstance(answer, float) and not math.isfinite(answer):  # json reads NaN and Infinity as numbers
             raise UserError(f"{path}:{line_number}: the answer is {answer}, which no completion can equal (a "
                             "missing value written as NaN?); give the reference answer")
-        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-            # positional notation: str(5e-05) is "5e-05", whose first number is 5
-            answer = str(answer) if isinstance(answer, int) else format(Decimal(repr(answer)), "f")
+        if isinstance(answer, (int, Decimal)) and not isinstance(answer, bool):
+            # positional notation: str(Decimal("5E-05")) is "5E-05", whose first number is 5 (but not 1E+999999)
+            positional = isinstance(answer, Decimal) and abs(answer.adjusted()) < 100
+            answer = format(answer, "f") if positional else str(answer)
         if not isinstance(answer, str):
-            raise UserError(f"{path}:{line_number}: each row needs a field \"answer\" (a string or a number)")
+            raise UserError(f"{path}:{line_number}: each row needs a field \"answer\" (a string or a number)"
+                            + (' (it has "solution": rename that field to "answer"; a worked solution\'s \\boxed{} '
+                               "is its answer)" if "answer" not in row and "solution" in row else ""))
         if not answer.strip():  # an empty completion would equal it: the policy would learn to stop at once
             raise UserError(f"{path}:{line_number}: the answer is empty; give the reference answer")
+        if answer.strip().lower() in PLACEHOLDER_ANSWERS:
+            placeholder_answers.append(f"{path}:{line_number}")
         rows.append({"prompt": row["prompt"], "answer": answer, "where": f"{path}:{line_number}"})
     if not rows:
         raise UserError(f"{path} holds no rows")
+    if placeholder_answers:  # (a warning, not an error: "None" can be a true answer)
+        print0(f"warning: {len(placeholder_answers)} answers are None, null, nan or N/A (the first at "
+               f"{placeholder_answers[0]}): missing values written as text? A completion that writes the same word "
+               "is rewarded", file=sys.stderr, enabled=os.environ.get("RANK", "0") == "0")
     return rows
+
+
+# answers that are, most likely, a missing value written as text (str(None), pandas' NaN, a spreadsheet's N/A)
+PLACEHOLDER_ANSWERS = ("none", "null", "nan", "n/a")
+
+
+def is_unicode(text: str) -> bool:
+    """False for a str that holds a lone surrogate (JSON's "\\ud800"), which no UTF-8 encoder, and so no tokenizer,
+    takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_jsonl_bytes(path: str, data: bytes, what: str) -> None:
+    """Refuse, with what to do, the files that are not JSON lines but are often given for them."""
+    if data.startswith(b"\x1f\x8b"):
+        raise UserError(f"{path} is gzip-compressed; decompress it (gunzip) and pass {what}")
+    if data.startswith(b"PAR1"):
+        raise UserError(f"{path} is a Parquet file; pass {what}, e.g. written by pandas.read_parquet(path)"
+                        ".to_json(out, orient='records', lines=True)")
+    if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+        raise UserError(f"{path} holds a JSON array, not JSON lines; pass {what}, one object per line (e.g. "
+                        "`jq -c '.[]' file.json > file.jsonl`)")
 
 
 # a number: a sign (- or +) unless it follows a word or ")" (the 3 of "8-3" or "ages 5-7" is no -3), thousands
@@ -1758,10 +1806,18 @@ def train(args: Args) -> dict:
     fingerprint, eval_fingerprint = (hashlib.sha256(json.dumps([[r["prompt"], r["answer"]] for r in rows]).encode())
                                      .hexdigest()[:16] for rows in (train_rows, eval_rows))
     # every prompt checked now, before anything is written: too long, empty, or no room left to complete it
-    longest = max(len(ids) for ids in encode_prompts(
-        tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template, args.max_prompt_length,
-        where=[r.get("where", f"built-in prompt {i}") for i, r in enumerate(train_rows + eval_rows)],
-        system_prompt=args.system_prompt))
+    places = [r.get("where", f"built-in prompt {i}") for i, r in enumerate(train_rows + eval_rows)]
+    encoded_prompts = encode_prompts(tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template,
+                                     args.max_prompt_length, where=places, system_prompt=args.system_prompt)
+    longest = max(len(ids) for ids in encoded_prompts)
+    # characters the tokenizer has no token for: the model sees one token for all of them
+    unknown = [0 if tokenizer.unk_token_id is None else ids.count(tokenizer.unk_token_id) for ids in encoded_prompts]
+    if sum(unknown):
+        first_unknown = places[next(i for i, count in enumerate(unknown) if count)]
+        print0(f"warning: {sum(unknown)} of the prompts' {sum(map(len, encoded_prompts))} tokens are the tokenizer's "
+               f"unknown token {tokenizer.unk_token!r} (the first in {first_unknown})"
+               + (f": --model tiny knows only the characters {''.join(TINY_CHARS)!r}; pass --model, a hub model or a "
+                  "local one, for text" if args.model == "tiny" else ""), file=sys.stderr, enabled=is_main)
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if context and longest + args.max_new_tokens > context:
         # a learned table of positions (GPT-2's) has no row beyond it; rotary positions run on, untrained

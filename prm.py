@@ -402,19 +402,27 @@ def parse_row(line: str, need_labels: bool) -> dict:
     the scores file holds each input row unchanged plus its scores."""
     try:
         row = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"invalid JSON ({error.msg})") from None
+    except (ValueError, RecursionError) as error:  # (also a 5,000-digit integer, 100,000 nested lists)
+        reason = error.msg if isinstance(error, json.JSONDecodeError) else (
+            "nested too deeply" if isinstance(error, RecursionError) else "a number of over 4,300 digits")
+        raise ValueError(f"invalid JSON ({reason})") from None
     if not isinstance(row, dict):
         raise ValueError("a row must be a JSON object")
     prompt, steps, labels = row.get("prompt"), row.get("completions"), row.get("labels")
     if not isinstance(prompt, str):
-        raise ValueError('needs a string field "prompt"')
+        raise ValueError('needs a string field "prompt"' + foreign_format_hint(row))
     if not isinstance(steps, list) or not all(isinstance(step, str) for step in steps):
-        raise ValueError('needs a field "completions", a list of strings (the steps)')
+        raise ValueError('needs a field "completions", a list of strings (the steps)' + foreign_format_hint(row))
+    broken = [name for name, text in [("the prompt", prompt)] + [(f"step {k}", step) for k, step in enumerate(steps)]
+              if not is_unicode(text)]
+    if broken:
+        raise ValueError(f"{broken[0]} holds a lone surrogate, half of a UTF-16 pair (text cut inside an emoji?), "
+                         "which no tokenizer can encode; mend or drop the row")
     if not need_labels:
         return row
     if not isinstance(labels, list):
-        raise ValueError('needs a field "labels", a list of one bool or number in [0, 1] per step')
+        raise ValueError('needs a field "labels", a list of one bool or number in [0, 1] per step'
+                         + foreign_format_hint(row))
     if len(labels) != len(steps):
         raise ValueError(f"{len(labels)} labels for {len(steps)} steps: there must be one label per step")
     if not steps:
@@ -425,6 +433,42 @@ def parse_row(line: str, need_labels: bool) -> dict:
         if not isinstance(label, (int, float)) or not (0.0 <= label <= 1.0):  # NaN fails the comparison too
             raise ValueError(f"label {k} is {label!r}: labels must be bools or numbers in [0, 1]")
     return {"prompt": prompt, "completions": steps, "labels": [float(label) for label in labels]}
+
+
+def foreign_format_hint(row: dict) -> str:
+    """What to do with a row in a known other format, for the message that refuses it ("" when none is known)."""
+    if "input" in row and "label" in row:
+        return (' (this is Math-Shepherd\'s raw format, steps ending in "ки" and labelled "+"/"-" in "label": split '
+                'it into {"prompt", "completions", "labels"}, as trl-lib/math_shepherd has it)')
+    if isinstance(row.get("label"), dict) and "steps" in row["label"]:
+        return (' (this is PRM800K\'s raw format, steps rated -1/0/1 in "label": write {"prompt", "completions", '
+                '"labels"} rows, as trl-lib/prm800k has them)')
+    renames = [f'"{other}" to "{name}"' for name, other in (("prompt", "question"), ("prompt", "problem"),
+                                                           ("completions", "steps"), ("labels", "label"))
+               if name not in row and other in row]
+    return f" (rename {' and '.join(renames)})" if renames else ""
+
+
+def is_unicode(text: str) -> bool:
+    """False for a str that holds a lone surrogate (JSON's "\\ud800"), which no UTF-8 encoder, and so no tokenizer,
+    takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_jsonl_bytes(path: str, data: bytes, what: str) -> None:
+    """Refuse, with what to do, the files that are not JSON lines but are often given for them."""
+    if data.startswith(b"\x1f\x8b"):
+        raise UserError(f"{path} is gzip-compressed; decompress it (gunzip) and pass {what}")
+    if data.startswith(b"PAR1"):
+        raise UserError(f"{path} is a Parquet file; pass {what}, e.g. written by pandas.read_parquet(path)"
+                        ".to_json(out, orient='records', lines=True)")
+    if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+        raise UserError(f"{path} holds a JSON array, not JSON lines; pass {what}, one object per line (e.g. "
+                        "`jq -c '.[]' file.json > file.jsonl`)")
 
 
 def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool = False,
@@ -442,26 +486,29 @@ def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool 
     notify = os.environ.get("RANK", "0") == "0"  # every torchrun process reads the file: one warning per run
     try:
         with open(path, "rb") as f:  # bytes, decoded line by line: a non-UTF-8 line is reported with its number
-            for line_number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8-sig")  # -sig: drops the byte-order mark Windows tools write
-                    if not line.strip():
-                        continue
-                    rows.append(parse_row(line, need_labels))
-                    if places is not None:
-                        places.append(f"{path}:{line_number}")
-                except (UnicodeDecodeError, ValueError) as problem:
-                    if isinstance(problem, UnicodeDecodeError):
-                        problem = "not UTF-8 text (is this a JSONL file?)"
-                    if not skip_bad_rows:
-                        raise UserError(f"{path}:{line_number}: {problem} (--skip-bad-rows skips such rows)") from None
-                    skipped += 1
-                    if skipped_places is not None:
-                        skipped_places.append((len(rows), f"line {line_number}: {problem}"))
-                    print0(f"warning: skipped {path}:{line_number}: {problem}", file=sys.stderr,
-                           enabled=notify and skipped <= 5)
+            data = f.read()
     except OSError as error:
         raise UserError(f"cannot read data file {path!r}: {error.strerror or error}") from None
+    check_jsonl_bytes(path, data, f"a JSONL file of {what} rows")
+    # (splitlines: also at a lone CR, which no JSON text holds unescaped)
+    for line_number, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8-sig")  # -sig: drops the byte-order mark Windows tools write
+            if not line.strip():
+                continue
+            rows.append(parse_row(line, need_labels))
+            if places is not None:
+                places.append(f"{path}:{line_number}")
+        except (UnicodeDecodeError, ValueError) as problem:
+            if isinstance(problem, UnicodeDecodeError):
+                problem = "not UTF-8 text (is this a JSONL file?)"
+            if not skip_bad_rows:
+                raise UserError(f"{path}:{line_number}: {problem} (--skip-bad-rows skips such rows)") from None
+            skipped += 1
+            if skipped_places is not None:
+                skipped_places.append((len(rows), f"line {line_number}: {problem}"))
+            print0(f"warning: skipped {path}:{line_number}: {problem}", file=sys.stderr,
+                   enabled=notify and skipped <= 5)
     if skipped:
         print0(f"warning: skipped {skipped} invalid rows of {path}", file=sys.stderr, enabled=notify)
     if not rows:
@@ -1554,6 +1601,17 @@ def evaluate_prm(prm, val_examples: list[dict], eval_examples: list[dict], batch
     return evaluate(predict(prm, eval_examples, batch_size), [e["all_labels"] for e in eval_examples], threshold)
 
 
+def strict_json(value):
+    """value with every float that is not finite replaced by None, which JSON writes as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped_places: list = (),
                  unscorable: Optional[dict] = None) -> dict:
     """The input rows, unchanged, with a "scores" list added to each (one per kept step), written atomically, and
@@ -1561,7 +1619,7 @@ def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped
     {"skipped": "line N: what is wrong", "scores": null}, and one that could not be scored (unscorable: its index
     -> why) as itself with those two fields: output line k is input line k's (blank lines aside), so the two files
     can be read side by side. A score that is not finite (a diverged model) is written as null, since JSON has no
-    NaN."""
+    NaN, and so is a NaN or Infinity the input row held (Python's json reads them; jq, pandas and JavaScript do not)."""
     unscorable = unscorable or {}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     pending = list(skipped_places)  # (place among the valid rows, message), in file order
@@ -1571,11 +1629,12 @@ def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped
             while pending and pending[0][0] == place:
                 f.write(json.dumps({"skipped": pending.pop(0)[1], "scores": None}) + "\n")
             if place in unscorable:
-                f.write(json.dumps({**rows[place], "skipped": unscorable[place], "scores": None}) + "\n")
+                f.write(json.dumps(strict_json({**rows[place], "skipped": unscorable[place], "scores": None})) + "\n")
             elif place < len(rows):
                 row_scores = [score if math.isfinite(score) else None for score in scores[place]]
                 not_finite += row_scores.count(None)
-                f.write(json.dumps({**rows[place], "scores": row_scores}) + "\n")  # (the row's own fields as given)
+                # (the row's own fields as given)
+                f.write(json.dumps(strict_json({**rows[place], "scores": row_scores})) + "\n")
     os.replace(path + ".tmp", path)
     scored = [place for place in range(len(rows)) if place not in unscorable]
     written = {"rows": len(scored), "skipped_rows": len(skipped_places) + len(unscorable),
@@ -1770,6 +1829,22 @@ def train(args: Args) -> dict:
     if blank:  # trained on, but never met in generated text: split_steps leaves blank pieces out
         print0(f"note: {blank} training steps are blank: trained as steps here, but split_steps (and grpo.py's PRM "
                "reward) leave blank pieces of generated text out", enabled=is_main)
+    blank_prompts = sum(not row["prompt"].strip() for row in train_rows)
+    if blank_prompts:
+        print0(f"note: {blank_prompts} training rows have a blank prompt: their steps are judged without the "
+               "question they answer", enabled=is_main)
+    correct_labels = [label >= 0.5 for row in train_rows for label in row["labels"]]
+    if len(set(correct_labels)) == 1:  # (a "+"/"-" mapped the wrong way, or only a data set's chosen steps kept)
+        print0(f"warning: every training label is {'correct (>= 0.5)' if correct_labels[0] else 'wrong (< 0.5)'}: "
+               "the PRM can only learn to give every step that one score", file=sys.stderr, enabled=is_main)
+    all_examples = train_examples + val_examples + eval_examples
+    unknown = sum(example["input_ids"].count(tokenizer.unk_token_id) for example in all_examples
+                  ) if tokenizer.unk_token_id is not None else 0
+    if unknown:  # characters the tokenizer has no token for: the model sees one token for all of them
+        print0(f"warning: {unknown} of the rows' {sum(len(e['input_ids']) for e in all_examples)} tokens are the "
+               f"tokenizer's unknown token {tokenizer.unk_token!r}"
+               + (f": --model tiny knows only the characters {''.join(TINY_CHARS)!r}; pass --model, a hub model or a "
+                  "local one, for text" if args.model == "tiny" else ""), file=sys.stderr, enabled=is_main)
     if not train_examples:
         raise UserError(f"every training row was truncated away (--max-length {args.max_length}): raise "
                         "--max-length or shorten the prompts")

@@ -9,6 +9,7 @@ completion_logprobs on the tiny model, and completion_logprobs with shared promp
 
 import copy
 import math
+import re
 import statistics
 import sys
 import types
@@ -1589,10 +1590,45 @@ def test_json_number_answers_keep_their_value(tmp_path):
     from grpo import load_jsonl_prompts
 
     path = tmp_path / "rows.jsonl"
-    path.write_text("".join(f'{{"prompt": "p", "answer": {a}}}\n' for a in ["5e-05", "1e20", "3", "2.5", "-0.125"]))
+    # (digits past a float's 17 as written, not rounded: 0.333333333333333333 is not 0.3333333333333333)
+    written = ["5e-05", "1e20", "3", "2.5", "-0.125", "0.333333333333333333", "12345678901234567890.0", "1e999999"]
+    path.write_text("".join(f'{{"prompt": "p", "answer": {a}}}\n' for a in written))
     answers = [row["answer"] for row in load_jsonl_prompts(str(path))]
-    assert answers == ["0.00005", "100000000000000000000", "3", "2.5", "-0.125"]
+    assert answers == ["0.00005", "100000000000000000000", "3", "2.5", "-0.125", "0.333333333333333333",
+                       "12345678901234567890.0", "1E+999999"]
     assert answer_reward("0.00005", answers[0]) == 1.0 and answer_reward("5", answers[0]) == 0.0
+    assert answer_reward("12345678901234567890", answers[6]) == 1.0
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'\x1f\x8b\x08\x00', "rows.jsonl is gzip-compressed; decompress it"),
+    (b"PAR1\x15\x04", "rows.jsonl is a Parquet file"),
+    (b'[\n  {"prompt": "1+2=", "answer": "3"}\n]\n', "rows.jsonl holds a JSON array, not JSON lines"),
+    (b'{"prompt": "1+2=\\ud800", "answer": "3"}\n', "rows.jsonl:1: the prompt holds a lone surrogate"),
+    (b'{"prompt": " ", "answer": "3"}\n', "rows.jsonl:1: the prompt is empty"),
+    (b'{"prompt": [{"role": "user", "content": "1+2="}], "answer": "3"}\n', "rows.jsonl:1: the prompt is a list"),
+    (b'{"prompt": "1+2=", "solution": "\\\\boxed{3}"}\n', 'rename that field to "answer"'),
+    (b'{"prompt": "1+2=", "answer": ' + b"9" * 5000 + b"}\n", "rows.jsonl:1: invalid JSON (a number of over 4,300"),
+    (b'{"a": ' * 100000 + b"1" + b"}" * 100000 + b"\n", "rows.jsonl:1: invalid JSON (nested too deeply)"),
+])
+def test_data_files_that_are_no_jsonl_of_prompts_are_named(tmp_path, content, message):
+    from grpo import load_jsonl_prompts
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_jsonl_prompts(str(path))
+
+
+def test_lines_ended_by_a_lone_cr_are_lines_and_placeholder_answers_are_warned_about(tmp_path, capsys):
+    from grpo import load_jsonl_prompts
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "1+2=", "answer": "3"}\r{"prompt": "2+2=", "answer": "None"}\r'
+                     b'{"prompt": "3+2=", "answer": "n/a"}\r')
+    assert [row["where"] for row in load_jsonl_prompts(str(path))] == [f"{path}:{n}" for n in (1, 2, 3)]
+    assert (f"warning: 2 answers are None, null, nan or N/A (the first at {path}:2): missing values written as "
+            "text?") in capsys.readouterr().err
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):

@@ -460,6 +460,15 @@ def test_split_steps():
     ('{"prompt": "p", "completions": [], "labels": []}', "no steps"),
     ('{"prompt": "p", "completions": ["a"], "labels": [1]', "invalid JSON"),
     ('[1, 2]', "JSON object"),
+    ('{"prompt": "p\\ud83d", "completions": ["a"], "labels": [1]}', "the prompt holds a lone surrogate"),
+    ('{"prompt": "p", "completions": ["a", "b\\udc00"], "labels": [1, 0]}', "step 1 holds a lone surrogate"),
+    ('{"a": ' * 100000 + "1" + "}" * 100000, "invalid JSON (nested too deeply)"),
+    ('{"prompt": "p", "completions": ["a"], "labels": [' + "1" * 5000 + "]}", "invalid JSON (a number of over"),
+    # other data sets' raw formats and field names: what to do with them
+    ('{"input": "2+2=4 \u043a\u0438", "label": "2+2=4 +"}', "Math-Shepherd's raw format"),
+    ('{"question": {"problem": "p"}, "label": {"steps": []}}', "PRM800K's raw format"),
+    ('{"question": "p", "steps": ["a"], "label": [1]}', 'rename "question" to "prompt" and "steps" to "completions" '
+                                                         'and "label" to "labels"'),
 ])
 def test_bad_rows_are_named(tmp_path, line, problem):
     good = '{"prompt": "p", "completions": ["a", "b"], "labels": [true, 0.25]}'
@@ -480,6 +489,28 @@ def test_scoring_rows_need_no_labels(tmp_path):
     assert loaded == rows
     with pytest.raises(prm.UserError, match="does not exist"):
         prm.load_jsonl_rows(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x1f\x8b\x08\x00", "rows.jsonl is gzip-compressed; decompress it"),
+    (b"PAR1\x15\x04", "rows.jsonl is a Parquet file"),
+    (b'\xef\xbb\xbf [{"prompt": "p", "completions": ["a"], "labels": [1]}]', "rows.jsonl holds a JSON array, not JSON"),
+])
+def test_data_files_that_are_no_jsonl_are_named(tmp_path, content, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(content)
+    for skip_bad_rows in (False, True):  # (no row of it is valid: not a file to skip rows of)
+        with pytest.raises(prm.UserError, match=re.escape(message)):
+            prm.load_jsonl_rows(str(path), skip_bad_rows=skip_bad_rows)
+
+
+def test_lines_ended_by_a_lone_cr_are_lines(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "p", "completions": ["a"], "labels": [1]}\r\r'
+                     b'{"prompt": "q", "completions": ["b"], "labels": [0]}\r')
+    places = []
+    rows, _ = prm.load_jsonl_rows(str(path), places=places)
+    assert [row["prompt"] for row in rows] == ["p", "q"] and places == [f"{path}:1", f"{path}:3"]
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):

@@ -59,7 +59,10 @@ BAD_INPUTS = {
                                        str(tmp / "eval.jsonl")], "eval.jsonl", "does not exist"),
     "invalid json": (lambda tmp: ["--data-path", rows_file(tmp, GOOD, '{"prompt": "p", oops')],
                      "rows.jsonl:2:", "invalid JSON"),
-    "row not an object": (lambda tmp: ["--data-path", rows_file(tmp, "[1, 2]")], "rows.jsonl:1:", "JSON object"),
+    "row not an object": (lambda tmp: ["--data-path", rows_file(tmp, GOOD, "[1, 2]")], "rows.jsonl:2:",
+                          "JSON object"),
+    "json array": (lambda tmp: ["--data-path", rows_file(tmp, "[1, 2]")], "rows.jsonl holds a JSON array",
+                   "one object per line"),
     "missing field": (lambda tmp: ["--data-path", rows_file(tmp, GOOD, '{"prompt": "p", "completions": ["a"]}')],
                       "rows.jsonl:2:", 'needs a field "labels"'),
     "mistyped prompt": (lambda tmp: ["--data-path", rows_file(tmp, '{"prompt": 3, "completions": ["a"], '

@@ -523,17 +523,19 @@ def test_scoring_skips_bad_rows_when_asked_and_keeps_their_lines(tmp_path, capsy
 
 
 def test_a_score_that_is_not_finite_is_written_as_null_with_a_warning(tmp_path, capsys):
-    """JSON has no NaN: json.dumps' bare NaN made a scores file that strict parsers reject."""
+    """JSON has no NaN: json.dumps' bare NaN made a scores file that strict parsers reject. An input row's own NaN
+    and Infinity (which Python's json reads) are written as null too."""
     rows = [{"prompt": "p", "completions": ["a", "b", "c"]}, {"prompt": "q", "completions": ["d"]},
-            {"prompt": "r", "completions": ["e"], "reward": float("nan")}]  # (an input row's own fields: as given)
+            {"prompt": "r", "completions": ["e"], "reward": float("nan"), "meta": {"bounds": [1.5, -float("inf")]}}]
     written = prm.write_scores(str(tmp_path / "scores.jsonl"), rows, [[0.25, float("nan"), float("inf")], [], [0.5]])
     assert written == {"rows": 3, "skipped_rows": 0, "scored_steps": 4, "dropped_steps": 1}
 
     def no_constants(name):
         raise ValueError(f"{name} is not JSON")
     lines = (tmp_path / "scores.jsonl").read_text().splitlines()
-    assert [json.loads(line, parse_constant=no_constants)["scores"] for line in lines[:2]] == [[0.25, None, None], []]
-    assert json.loads(lines[2])["scores"] == [0.5] and math.isnan(json.loads(lines[2])["reward"])
+    written_rows = [json.loads(line, parse_constant=no_constants) for line in lines]
+    assert [row["scores"] for row in written_rows] == [[0.25, None, None], [], [0.5]]
+    assert written_rows[2] == {**rows[2], "reward": None, "meta": {"bounds": [1.5, None]}, "scores": [0.5]}
     assert "warning: 2 scores are not finite (written as null)" in capsys.readouterr().err
 
 
@@ -560,6 +562,24 @@ def test_notes_for_metrics_that_one_kind_of_label_leaves_nan_and_for_steps_holdi
         assert "note: 1 training steps are blank: trained as steps here, but split_steps" in stdout
         summary = read_summary(tmp_path / "run")
         assert all(summary[f"eval_{metric}_end"] is None for metric in nan_metrics)
+
+
+def test_warnings_for_blank_prompts_labels_of_one_kind_and_characters_the_tokenizer_cannot_read(tmp_path, capsys):
+    rows = builtin_rows(12)
+    plain = write_rows(tmp_path / "plain.jsonl", rows)
+    correct = [{**row, "labels": [1] * len(row["labels"])} for row in rows]
+    odd = write_rows(tmp_path / "odd.jsonl", [{**correct[0], "prompt": " "}, {**correct[1], "prompt": "Start 3?"},
+                                              *correct[2:]])
+    outputs = []
+    for data in (plain, odd):
+        code, stdout, err = run_main(["--output-dir", str(tmp_path / "run"), "--overwrite", *SMALL, "--total-steps",
+                                      "1", "--num-val-rows", "0", "--data-path", str(data)], capsys, with_stdout=True)
+        assert code == 0, err
+        outputs.append(stdout + err)
+    for message in ("note: 1 training rows have a blank prompt", "warning: every training label is correct (>= 0.5)",
+                    "warning: 2 of the rows' ", " tokens are the tokenizer's unknown token '<unk>': --model tiny knows "
+                    "only the characters '0123456789abcdefghijklmnopqrstuvwxyz"):
+        assert message not in outputs[0] and message in outputs[1], message
 
 
 # listed here, not read from RESUME_MUST_MATCH; the data is checked by its content, not its path (see
