@@ -70,7 +70,8 @@ class Args:
     seed: int = 1
     """seed of the experiment: model init, prompt order and sampling all follow from it"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl, summary.json, checkpoints and final/ go (default: runs/{run_name})"""
+    """where metrics.jsonl, summary.json, checkpoints and final/ go (default: runs/{run_name}, or the folder of the
+    --resume-from checkpoint)"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works; a failure to start is a warning, not a crash)"""
     wandb_project_name: str = "grpo"
@@ -90,7 +91,8 @@ class Args:
     eval_data_path: Optional[str] = None
     """JSONL held-out prompts in the same format; None = the built-in eval set, or no eval with --data-path"""
     num_eval_prompts: int = 200
-    """how many held-out prompts to evaluate (the built-in task's eval set has this many)"""
+    """how many held-out prompts to evaluate (the first of --eval-data-path's; on the built-in task, this many of
+    its 900 prompts are held out of training, even with --eval-data-path)"""
     chat_template: bool = True
     """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template for base models)"""
     system_prompt: Optional[str] = None
@@ -211,7 +213,7 @@ class Args:
     eval_batch_size: int = 256
     """prompts per batch in evaluation"""
     save_every: int = 0
-    """write a checkpoint every this many steps (0 = only the final model)"""
+    """write a checkpoint every this many steps (0 = only when stopped by a signal, and the final model)"""
     resume_from: Optional[str] = None
     """a checkpoint-STEP or final directory written by this script, or `latest` (the newest of those in
     --output-dir), to continue; from final, with a higher --total-steps, a finished run is taken further"""
@@ -1129,7 +1131,8 @@ def apply_lora(model, args: Args):
     from peft import LoraConfig, NoMatchingPeftModuleError, get_peft_model
 
     targets = args.lora_target_modules
-    target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
+    names = [name.strip() for name in targets.split(",") if name.strip()]  # ("q_proj," names no module "")
+    target_modules = targets if targets == "all-linear" else names
     # no dropout on the adapter either: see disable_dropout
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=target_modules,
                         task_type="CAUSAL_LM")
@@ -1581,6 +1584,8 @@ def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torc
         if device.index >= visible:
             raise UserError(f"--device {name}: there is no {device} here ({visible} CUDA devices "
                             "visible); use --device cpu or auto")
+    if device.type == "meta":  # tensors without data: the first value read fails deep inside the run
+        raise UserError(f"--device {name}: a meta device holds no data to train on; use --device cpu, cuda or auto")
     if device.type not in ("cpu", "cuda"):  # a type this torch knows but this machine lacks (mps on Linux)
         try:
             torch.empty(0, device=device)
@@ -1603,22 +1608,40 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           f"0 nothing trains), got {args.lora_alpha}")
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     check(args.max_bad_steps >= 1, f"--max-bad-steps must be at least 1, got {args.max_bad_steps}")
-    check(all(math.isfinite(w) for w in (args.answer_reward_weight, args.format_reward_weight, args.prm_weight)),
-          "--answer-reward-weight, --format-reward-weight and --prm-weight must be finite numbers")
+    # (inf and nan parse as numbers: --learning-rate inf made every weight NaN, --temperature inf trained nothing)
+    values = [(name, v) for name, value in vars(args).items() for v in (value if isinstance(value, tuple) else [value])]
+    not_finite = [(name, v) for name, v in values if isinstance(v, float) and not math.isfinite(v)]
+    check(not not_finite, f"--{not_finite[0][0].replace('_', '-')} must be a finite number, got {not_finite[0][1]}"
+          if not_finite else "")
+    defaults = Args()
+    lora_flags = [f"--{name.replace('_', '-')}" for name in ("lora_alpha", "lora_target_modules")
+                  if getattr(args, name) != getattr(defaults, name)]
+    check(args.lora_r > 0 or not lora_flags, f"{' and '.join(lora_flags)}: LoRA settings, but --lora-r 0 (full "
+          "fine-tuning) makes no adapters: pass --lora-r, or drop them")
+    check(args.lora_target_modules == "all-linear" or args.lora_target_modules.strip(", "),
+          f"--lora-target-modules {args.lora_target_modules!r} names no module: give names such as q_proj,v_proj, or "
+          "all-linear")
     # (the typing mistake only: escapes and spaces; "\\newline" or "\\text{Step}" may be a separator)
     check(not re.fullmatch(r"(?:\\[nt]|\s)*\\[nt](?:\\[nt]|\s)*", args.prm_step_separator or ""),
           f"--prm-step-separator {args.prm_step_separator!r} holds a backslash and a letter, not a line break: a shell "
           "passes \"\\n\" as those two characters; in bash write $'\\n\\n' for a blank line")
+    prm_flags = [f"--{name.replace('_', '-')}" for name in ("prm_aggregate", "prm_step_separator")
+                 if getattr(args, name) != getattr(defaults, name)]
+    check(args.prm_path is not None or not prm_flags, f"{' and '.join(prm_flags)}: PRM reward settings, but there is "
+          "no PRM without --prm-path: pass it, or drop them")
     check(min(args.total_steps, args.prompts_per_step, args.num_iterations, args.num_minibatches) >= 1,
           "--total-steps, --prompts-per-step, --num-iterations and --num-minibatches must be at least 1")
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "
           "--loss-type dr_grpo also uses it as its constant normaliser")
     check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature}); evaluation is greedy anyway")
     check(0 < args.top_p <= 1 and args.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0")
-    check(args.clip_eps_low >= 0 and args.clip_eps_high >= 0, "--clip-eps-low/--clip-eps-high must be >= 0")
+    check(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, "--clip-eps-low must be in [0, 1) (at 1 or more "
+          "the lower bound 1 - eps clips no ratio, all being above 0) and --clip-eps-high >= 0")
     check(args.delta is None or args.delta > 1 + args.clip_eps_high,
           f"--delta {args.delta} must be above 1 + --clip-eps-high, or the bound clips every positive ratio")
     check(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    check(args.kl_coef > 0 or args.kl_estimator == defaults.kl_estimator, f"--kl-estimator {args.kl_estimator} with "
+          "--kl-coef 0: there is no KL penalty to estimate; pass --kl-coef above 0, or drop --kl-estimator")
     check(not args.kl_ratio_weighted or (args.kl_coef > 0 and args.kl_estimator != "k2"), "--kl-ratio-weighted "
           "weights the KL penalty by the ratio: it needs --kl-coef above 0 and --kl-estimator k1 or k3 (k2 times the "
           "ratio estimates no KL)")
@@ -1629,7 +1652,11 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.peak_tflops >= 0, f"--peak-tflops must be >= 0 (0 = look up a GPU's bf16 peak), got {args.peak_tflops}")
     check(args.eval_batch_size >= 1 and args.num_eval_prompts >= 0,
           "--eval-batch-size must be at least 1 and --num-eval-prompts >= 0")
-    check(args.eval_every >= 0 and args.save_every >= 0, "--eval-every and --save-every must be >= 0 (0 = never)")
+    check(args.eval_every >= 0, "--eval-every must be >= 0 (0 = only at the start and the end)")
+    check(args.save_every >= 0, "--save-every must be >= 0 (0 = only the final model)")
+    check(not (args.share_prompts == "always" and args.gradient_checkpointing), "--share-prompts always with "
+          "--gradient-checkpointing: transformers' checkpointed layers fill no KV cache to share; use --share-prompts "
+          "auto or never")
     check(args.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1 (got {args.keep_checkpoints})")
     check(args.prompts_per_step % world_size == 0, f"--prompts-per-step {args.prompts_per_step} must be "
           f"divisible by the number of processes ({world_size})")
@@ -1790,6 +1817,10 @@ def train(args: Args) -> dict:
                                   eps=1e-8, fused=True)
     total_updates = args.total_steps * args.num_iterations * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_updates))
+    if args.warmup_steps > total_updates:
+        print0(f"note: --warmup-steps {args.warmup_steps} is more than the run's {total_updates} optimiser updates: "
+               f"the learning rate never reaches --learning-rate (at most {total_updates / args.warmup_steps:.2g} of "
+               "it); lower --warmup-steps", enabled=is_main)
 
     # ---- data
     if args.data_path is None:

@@ -165,13 +165,15 @@ class Args:
     overwrite: bool = False
     """replace a run already in --output-dir (otherwise that is an error, unless resuming)"""
     prm_path: Optional[str] = None
-    """score with this saved PRM (a final/ directory) instead of training; needs --score-data-path"""
+    """score with this saved PRM (a final/ directory) instead of training; needs --score-data-path and
+    --scores-output"""
     score_data_path: Optional[str] = None
     """JSONL rows {"prompt", "completions"} to score: with the saved --prm-path, or after training"""
     scores_output: Optional[str] = None
     """where the scores go (each input row plus "scores"); None after training = {output_dir}/scores.jsonl"""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """backbone weights and compute dtype (the head is always fp32); auto = bfloat16 on CUDA when supported"""
+    """backbone weights and compute dtype (the head is always fp32); auto = bfloat16 on CUDA when supported, and
+    with --prm-path the dtype the PRM was trained in"""
     device: str = "auto"
     """auto = cuda when available, else cpu; cuda:N for GPU N (under torchrun: cuda, each process on its own GPU)"""
     gradient_checkpointing: bool = False
@@ -838,7 +840,8 @@ def apply_lora(backbone, args: Args):
     from peft import LoraConfig, NoMatchingPeftModuleError, get_peft_model
 
     targets = args.lora_target_modules
-    target_modules = targets if targets == "all-linear" else [name.strip() for name in targets.split(",")]
+    names = [name.strip() for name in targets.split(",") if name.strip()]  # ("q_proj," names no module "")
+    target_modules = targets if targets == "all-linear" else names
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         target_modules=target_modules, task_type="FEATURE_EXTRACTION")
     # the names to choose from: LoRA adapts linear layers (GPT-2's Conv1D is one, transposed)
@@ -1372,6 +1375,8 @@ def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torc
         if device.index >= visible:
             raise UserError(f"--device {name}: there is no {device} here ({visible} CUDA devices "
                             "visible); use --device cpu or auto")
+    if device.type == "meta":  # tensors without data: the first value read fails deep inside the run
+        raise UserError(f"--device {name}: a meta device holds no data to train on; use --device cpu, cuda or auto")
     if device.type not in ("cpu", "cuda"):  # a type this torch knows but this machine lacks (mps on Linux)
         try:
             torch.empty(0, device=device)
@@ -1422,7 +1427,20 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
         if not condition:
             raise UserError(message)
 
+    # (inf and nan parse as numbers: --learning-rate inf made every weight NaN)
+    values = [(name, v) for name, value in vars(args).items() for v in (value if isinstance(value, tuple) else [value])]
+    not_finite = [(name, v) for name, v in values if isinstance(v, float) and not math.isfinite(v)]
+    check(not not_finite, f"--{not_finite[0][0].replace('_', '-')} must be a finite number, got {not_finite[0][1]}"
+          if not_finite else "")
     check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
+    defaults = Args()
+    lora_flags = [f"--{name.replace('_', '-')}" for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
+                  if getattr(args, name) != getattr(defaults, name)]
+    check(args.lora_r > 0 or not lora_flags, f"{' and '.join(lora_flags)}: LoRA settings, but --lora-r 0 (full "
+          "fine-tuning) makes no adapters: pass --lora-r, or drop them")
+    check(args.lora_target_modules == "all-linear" or args.lora_target_modules.strip(", "),
+          f"--lora-target-modules {args.lora_target_modules!r} names no module: give names such as q_proj,v_proj, or "
+          "all-linear")
     check(args.lora_r == 0 or args.lora_alpha > 0, f"--lora-alpha must be > 0 (the adapter's scale is alpha / r: at "
           f"0 nothing trains), got {args.lora_alpha}")
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
@@ -1435,8 +1453,7 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           f"--step-separator {args.step_separator!r} holds a backslash and a letter, not a line break: a shell passes "
           "\"\\n\" as those two characters; in bash write $'\\n\\n' for a blank line")
     check(args.max_length >= 1, f"--max-length must be at least 1, got {args.max_length}")
-    check(args.epochs is None or 0 < args.epochs < math.inf,
-          f"--epochs must be > 0 and finite, got {args.epochs}")
+    check(args.epochs is None or args.epochs > 0, f"--epochs must be > 0, got {args.epochs}")
     check(args.total_steps >= 1, f"--total-steps must be at least 1, got {args.total_steps}")
     check(args.batch_size >= 1, f"--batch-size must be at least 1, got {args.batch_size}")
     check(args.batch_size % world_size == 0, f"--batch-size {args.batch_size} must be divisible by the number of "
@@ -1648,6 +1665,11 @@ def write_scores(path: str, rows: list[dict], scores: list[list[float]], skipped
     return written
 
 
+# what scoring with --prm-path reads (--step-separator and --max-length only to check them against the PRM's own)
+SCORING_FLAGS = ("prm_path", "score_data_path", "scores_output", "skip_bad_rows", "eval_batch_size", "dtype", "device",
+                 "trust_remote_code", "step_separator", "max_length")
+
+
 def score_file(args: Args) -> dict:
     """--prm-path mode: score every row of --score-data-path with a saved PRM and write --scores-output."""
     if args.score_data_path is None or args.scores_output is None:
@@ -1655,6 +1677,13 @@ def score_file(args: Args) -> dict:
     check_scores_output(args.scores_output, args.score_data_path)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every process would score every row into the same file
         raise UserError("--prm-path scores in one process: run it with python prm.py, not torchrun")
+    defaults = Args()
+    unused = [f"--{field.name.replace('_', '-')}" for field in fields(Args)
+              if field.name not in SCORING_FLAGS and getattr(args, field.name) != getattr(defaults, field.name)]
+    if unused:  # (training flags: the saved PRM fixes its model, LoRA and loss; nothing is trained or logged)
+        raise UserError(f"{', '.join(unused)}: training flags, which scoring with --prm-path does not use; drop them")
+    if args.eval_batch_size < 1:
+        raise UserError(f"--eval-batch-size must be at least 1, got {args.eval_batch_size}")
     device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     start = time.perf_counter()
@@ -1855,6 +1884,13 @@ def train(args: Args) -> dict:
             print0(f"note: --epochs {args.epochs} of {len(train_examples)} training rows in steps of --batch-size "
                    f"{args.batch_size} is {passes:.1f} passes over the rows; lower --batch-size for fewer",
                    enabled=is_main)
+    elif args.batch_size > len(train_examples):
+        print0(f"note: --batch-size {args.batch_size} is more than the {len(train_examples)} training rows: each step "
+               "repeats rows to fill its batch", enabled=is_main)
+    if args.warmup_steps > args.total_steps:
+        print0(f"note: --warmup-steps {args.warmup_steps} is more than the run's {args.total_steps} steps: the "
+               f"learning rate never reaches --learning-rate (at most {args.total_steps / args.warmup_steps:.2g} of "
+               "it); lower --warmup-steps", enabled=is_main)
 
     @functools.lru_cache(maxsize=2)
     def epoch_order(epoch: int) -> np.ndarray:

@@ -125,7 +125,27 @@ BAD_INPUTS = {
     "negative seed": (lambda tmp: ["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
     "seed past 32 bits": (lambda tmp: ["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
     "lora alpha of 0": (lambda tmp: ["--lora-r", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
-    "NaN reward weight": (lambda tmp: ["--answer-reward-weight", "nan"], "--prm-weight must be finite numbers"),
+    "NaN reward weight": (lambda tmp: ["--answer-reward-weight", "nan"],
+                          "--answer-reward-weight must be a finite number, got nan"),
+    # inf and nan parse as numbers: an infinite learning rate made every weight NaN, an infinite temperature
+    # uniform log-probs (no gradient)
+    "infinite learning rate": (lambda tmp: ["--learning-rate", "inf"], "--learning-rate must be a finite number"),
+    "infinite temperature": (lambda tmp: ["--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    "NaN beta": (lambda tmp: ["--adam-betas", "0.9", "nan"], "--adam-betas must be a finite number, got nan"),
+    "meta device": (lambda tmp: ["--device", "meta"], "--device meta: a meta device holds no data to train on"),
+    # settings of something the run does not have: they would be ignored unsaid
+    "LoRA settings without LoRA": (lambda tmp: ["--lora-alpha", "64", "--lora-target-modules", "q_proj"],
+                                   "--lora-alpha and --lora-target-modules: LoRA settings, but --lora-r 0"),
+    "PRM settings without a PRM": (lambda tmp: ["--prm-aggregate", "prod"],
+                                   "--prm-aggregate: PRM reward settings, but there is no PRM without --prm-path"),
+    "KL estimator without KL": (lambda tmp: ["--kl-coef", "0", "--kl-estimator", "k1"],
+                                "--kl-estimator k1 with --kl-coef 0: there is no KL penalty to estimate"),
+    "shared prompts with checkpointed layers": (lambda tmp: ["--share-prompts", "always", "--gradient-checkpointing"],
+                                                "--share-prompts always with --gradient-checkpointing"),
+    "lower clip of 1": (lambda tmp: ["--clip-eps-low", "1"], "--clip-eps-low must be in [0, 1)"),
+    "negative eval interval": (lambda tmp: ["--eval-every", "-1"], "--eval-every must be >= 0 (0 = only at the start"),
+    "no module to adapt": (lambda tmp: ["--lora-r", "2", "--lora-target-modules", ","],
+                           "--lora-target-modules ',' names no module"),
     "device this torch has no support for": (lambda tmp: ["--device", "mps"], "--device mps: not usable here"),
 }
 
@@ -147,11 +167,12 @@ def test_a_separator_with_a_backslash_is_refused_only_as_a_typed_line_break(scri
     import prm
 
     module, flag = (grpo, "prm_step_separator") if script == "grpo" else (prm, "step_separator")
+    other = {"prm_path": "prm"} if script == "grpo" else {}  # (grpo.py refuses PRM settings without a PRM)
     for typed in ("\\n\\n", "\\n", " \\t "):
         with pytest.raises(module.UserError, match="holds a backslash and a letter, not a line break"):
-            module.validate_args(module.Args(**{flag: typed}), 1, torch.device("cpu"))
+            module.validate_args(module.Args(**{flag: typed}, **other), 1, torch.device("cpu"))
     for separator in ("\n\n", "\\newline", "\\text{Step}", " \\therefore "):
-        module.validate_args(module.Args(**{flag: separator}), 1, torch.device("cpu"))
+        module.validate_args(module.Args(**{flag: separator}, **other), 1, torch.device("cpu"))
 
 
 def test_one_gpu_named_for_every_torchrun_process_is_refused(tmp_path, capsys, monkeypatch):

@@ -360,17 +360,21 @@ def test_bfloat16_on_cpu(tmp_path):
     assert all(row["loss"] is not None for row in read_metrics(out))  # no NaN (written as null)
 
 
-def test_prompts_the_tokenizer_cannot_read_are_warned_about(tmp_path):
+def test_prompts_the_tokenizer_cannot_read_and_a_warm_up_past_the_run_are_noted(tmp_path):
     digits = tmp_path / "digits.jsonl"
     digits.write_text("".join(json.dumps({"prompt": f"({n}+1)%10=", "answer": str((n + 1) % 10)}) + "\n"
                               for n in range(10)))
     words = tmp_path / "words.jsonl"
     words.write_text(digits.read_text() + json.dumps({"prompt": "What is 1+1?", "answer": "2"}) + "\n")
     flags = ["--total-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0"]
-    assert "unknown token" not in run_grpo(tmp_path / "digits", "--data-path", str(digits), *flags).stderr
+    process = run_grpo(tmp_path / "digits", "--data-path", str(digits), *flags)
+    assert "unknown token" not in process.stderr and "note: --warmup-steps" not in process.stdout
+    process = run_grpo(tmp_path / "words", "--data-path", str(words), *flags, "--warmup-steps", "4")
     assert (f"warning: 7 of the prompts' 113 tokens are the tokenizer's unknown token '<unk>' (the first in {words}:11)"
-            ": --model tiny knows only the characters '0123456789+-*/%()= '") in run_grpo(
-        tmp_path / "words", "--data-path", str(words), *flags).stderr
+            ": --model tiny knows only the characters '0123456789+-*/%()= '") in process.stderr
+    # (and a warm-up longer than the run, which never reaches the learning rate)
+    assert ("note: --warmup-steps 4 is more than the run's 1 optimiser updates: the learning rate never reaches "
+            "--learning-rate (at most 0.25 of it)") in process.stdout
 
 
 def test_invalid_jsonl_names_the_line(tmp_path):

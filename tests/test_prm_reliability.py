@@ -125,7 +125,14 @@ BAD_INPUTS = {
     "zero batch": (lambda tmp: ["--batch-size", "0"], "--batch-size", "at least 1"),
     "zero steps": (lambda tmp: ["--total-steps", "0"], "--total-steps", "at least 1"),
     "negative epochs": (lambda tmp: ["--epochs", "-1"], "--epochs", "must be > 0"),
-    "infinite epochs": (lambda tmp: ["--epochs", "inf"], "--epochs", "must be > 0 and finite, got inf"),
+    "infinite epochs": (lambda tmp: ["--epochs", "inf"], "--epochs", "must be a finite number, got inf"),
+    "infinite learning rate": (lambda tmp: ["--learning-rate", "inf"], "--learning-rate", "must be a finite number"),
+    "infinite weight decay": (lambda tmp: ["--weight-decay", "inf"], "--weight-decay", "must be a finite number"),
+    "meta device": (lambda tmp: ["--device", "meta"], "--device meta", "a meta device holds no data to train on"),
+    "LoRA settings without LoRA": (lambda tmp: ["--lora-dropout", "0.5"], "--lora-dropout",
+                                   "LoRA settings, but --lora-r 0 (full fine-tuning) makes no adapters"),
+    "no module to adapt": (lambda tmp: ["--lora-r", "2", "--lora-target-modules", " , "], "--lora-target-modules",
+                           "names no module"),
     "empty separator": (lambda tmp: ["--step-separator", ""], "--step-separator", "must not be empty"),
     "negative learning rate": (lambda tmp: ["--learning-rate", "-1"], "--learning-rate", ">= 0"),
     "zero max bad steps": (lambda tmp: ["--max-bad-steps", "0"], "--max-bad-steps", "at least 1"),
@@ -262,6 +269,15 @@ def test_scoring_mode_bad_inputs(tmp_path, capsys):
     code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(scores),
                           "--device", "foo"], capsys)
     assert code == 2 and err == "error: --device 'foo' is not a device; use auto, cpu, cuda or cuda:N\n"
+    # training flags are refused, not ignored: the saved PRM fixes the model, its LoRA and its loss
+    code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(scores),
+                          "--model", "other", "--lora-r", "8", "--loss-kind", "mse"], capsys)
+    assert code == 2 and err == ("error: --model, --lora-r, --loss-kind: training flags, which scoring with "
+                                 "--prm-path does not use; drop them\n")
+    for size in ("0", "-1"):  # (-1 wrote an empty list of scores for every row, 0 crashed)
+        code, err = run_main(["--prm-path", str(tmp_path), "--score-data-path", data, "--scores-output", str(scores),
+                              "--eval-batch-size", size], capsys)
+        assert code == 2 and err == f"error: --eval-batch-size must be at least 1, got {size}\n"
     assert not scores.exists()
     # a saved PRM scores with its own separator and max length: other ones given are an error, not ignored unsaid
     model, _ = prm.build_prm(prm.Args(), torch.float32)

@@ -564,21 +564,25 @@ def test_notes_for_metrics_that_one_kind_of_label_leaves_nan_and_for_steps_holdi
         assert all(summary[f"eval_{metric}_end"] is None for metric in nan_metrics)
 
 
-def test_warnings_for_blank_prompts_labels_of_one_kind_and_characters_the_tokenizer_cannot_read(tmp_path, capsys):
+def test_notes_on_data_and_settings_that_cannot_train_as_meant(tmp_path, capsys):
     rows = builtin_rows(12)
     plain = write_rows(tmp_path / "plain.jsonl", rows)
     correct = [{**row, "labels": [1] * len(row["labels"])} for row in rows]
     odd = write_rows(tmp_path / "odd.jsonl", [{**correct[0], "prompt": " "}, {**correct[1], "prompt": "Start 3?"},
                                               *correct[2:]])
     outputs = []
-    for data in (plain, odd):
+    for data, flags in ((plain, []), (odd, ["--batch-size", "16", "--warmup-steps", "3"])):
         code, stdout, err = run_main(["--output-dir", str(tmp_path / "run"), "--overwrite", *SMALL, "--total-steps",
-                                      "1", "--num-val-rows", "0", "--data-path", str(data)], capsys, with_stdout=True)
+                                      "1", "--num-val-rows", "0", "--data-path", str(data), *flags], capsys,
+                                     with_stdout=True)
         assert code == 0, err
         outputs.append(stdout + err)
     for message in ("note: 1 training rows have a blank prompt", "warning: every training label is correct (>= 0.5)",
                     "warning: 2 of the rows' ", " tokens are the tokenizer's unknown token '<unk>': --model tiny knows "
-                    "only the characters '0123456789abcdefghijklmnopqrstuvwxyz"):
+                    "only the characters '0123456789abcdefghijklmnopqrstuvwxyz",
+                    "note: --batch-size 16 is more than the 12 training rows: each step repeats rows",
+                    "note: --warmup-steps 3 is more than the run's 1 steps: the learning rate never reaches "
+                    "--learning-rate (at most 0.33 of it)"):
         assert message not in outputs[0] and message in outputs[1], message
 
 
