@@ -459,8 +459,7 @@ def load_jsonl_prompts(path: str) -> list[dict]:
     except OSError as error:
         raise UserError(f"cannot read data file {path!r}: {error.strerror or error}") from None
     check_jsonl_bytes(path, data, what)
-    # (splitlines: also at a lone CR, which no JSON text holds unescaped)
-    for line_number, raw_line in enumerate(data.splitlines(), start=1):
+    for line_number, raw_line in enumerate(jsonl_lines(data), start=1):
         try:
             line = raw_line.decode("utf-8-sig")  # -sig: drops the byte-order mark Windows tools write
         except UnicodeDecodeError as error:
@@ -489,13 +488,17 @@ def load_jsonl_prompts(path: str) -> list[dict]:
             raise UserError(f"{path}:{line_number}: the prompt holds a lone surrogate, half of a UTF-16 pair (text cut "
                             "inside an emoji?), which no tokenizer can encode; mend or drop the row")
         answer = row.get("answer")
+        if isinstance(answer, Decimal):  # read as a float, unless that loses digits written (0.333333333333333333)
+            as_float = float(answer)
+            if not math.isfinite(as_float) or Decimal(repr(as_float)) == answer:
+                answer = as_float
         if isinstance(answer, float) and not math.isfinite(answer):  # json reads NaN and Infinity as numbers
             raise UserError(f"{path}:{line_number}: the answer is {answer}, which no completion can equal (a "
                             "missing value written as NaN?); give the reference answer")
-        if isinstance(answer, (int, Decimal)) and not isinstance(answer, bool):
-            # positional notation: str(Decimal("5E-05")) is "5E-05", whose first number is 5 (but not 1E+999999)
-            positional = isinstance(answer, Decimal) and abs(answer.adjusted()) < 100
-            answer = format(answer, "f") if positional else str(answer)
+        if isinstance(answer, (int, float, Decimal)) and not isinstance(answer, bool):
+            # positional notation: str(5e-05) is "5e-05", whose first number is 5
+            answer = str(answer) if isinstance(answer, int) else format(Decimal(repr(answer)) if isinstance(
+                answer, float) else answer, "f")
         if not isinstance(answer, str):
             raise UserError(f"{path}:{line_number}: each row needs a field \"answer\" (a string or a number)"
                             + (' (it has "solution": rename that field to "answer"; a worked solution\'s \\boxed{} '
@@ -528,6 +531,20 @@ def is_unicode(text: str) -> bool:
     return True
 
 
+def is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return False
+    return True
+
+
+def jsonl_lines(data: bytes) -> list[bytes]:
+    """A file's lines, numbered as editors number them: split at each LF (a CR before it is JSON whitespace), or at
+    each CR in a file without LFs (classic Mac line ends)."""
+    return data.split(b"\n") if b"\n" in data else data.split(b"\r")
+
+
 def check_jsonl_bytes(path: str, data: bytes, what: str) -> None:
     """Refuse, with what to do, the files that are not JSON lines but are often given for them."""
     if data.startswith(b"\x1f\x8b"):
@@ -535,7 +552,10 @@ def check_jsonl_bytes(path: str, data: bytes, what: str) -> None:
     if data.startswith(b"PAR1"):
         raise UserError(f"{path} is a Parquet file; pass {what}, e.g. written by pandas.read_parquet(path)"
                         ".to_json(out, orient='records', lines=True)")
-    if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+    head = data.lstrip(b"\xef\xbb\xbf \t\r\n")
+    first_line = head.split(b"\n", 1)[0]
+    # a pretty-printed array, or one on a single line (not a list on the first of several lines: a row to skip)
+    if head.startswith(b"[") and (not is_json(first_line) or not head[len(first_line):].strip()):
         raise UserError(f"{path} holds a JSON array, not JSON lines; pass {what}, one object per line (e.g. "
                         "`jq -c '.[]' file.json > file.jsonl`)")
 
@@ -587,21 +607,37 @@ def parse_number(text: str, whole: bool = False) -> Optional[Fraction]:
         return None
 
 
-# what \frac{}{} can hold and still be written a/b without brackets: a numerator with no operator after its sign (2x,
-# \pi r), a denominator that is one number, letter or command (2, x, \pi; not 2x: 1/2x reads as x/2)
-_BARE_NUMERATOR = re.compile(rf"\s*[-+]?(?:{_UNSIGNED}|[^-+*/=,<>]*)\s*")
-_BARE_DENOMINATOR = re.compile(rf"\s*(?:[-+]?{_UNSIGNED}|[A-Za-z]|\\[A-Za-z]+)\s*")
+# a denominator that a/b can show without brackets: one factor (a number, a letter, a command such as \pi, \sqrt3,
+# a bracketed group), with powers and factorials, which bind tighter than "/"; not 2x or \pi r: 1/2x reads as x/2
+_BARE_DENOMINATOR = re.compile(rf"\s*[-+]?(?:{_UNSIGNED}|[A-Za-z]|\\sqrt\s*[\dA-Za-z]|\\[A-Za-z]+|\([^()]*\))"
+                               r"(?:\s*(?:\^\s*(?:\d+|[A-Za-z]|\\[A-Za-z]+)|!))*\s*")
+
+
+def bare_numerator(text: str) -> bool:
+    """Whether a/b can show this numerator without brackets: a number, or no operator outside brackets after a
+    leading sign (2x, n(n+1), \pi r; not x+1, which x+1/2 would read as x + 1/2)."""
+    if re.fullmatch(rf"\s*[-+]?{_UNSIGNED}\s*", text):
+        return True
+    depth = 0
+    for char in text.strip().lstrip("-+"):
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(char, 0)
+        if depth == 0 and char in "+-*/=,<>":
+            return False
+    return True
 
 
 def latex_fraction_as_text(match: re.Match) -> str:
     """\\frac{a}{b} -> "a/b", bracketed where a/b would read otherwise: \\frac{x+1}{2} -> "(x+1)/2" (not x+1/2, which
-    is x+\\frac{1}{2}), \\frac{1}{2x} -> "1/(2x)" (not \\frac{1}{2}x); the mixed number 2\\frac{1}{2} -> "5/2" (gluing
-    the digits would give 21/2)."""
+    is x+\\frac{1}{2}), \\frac{1}{2x} -> "1/(2x)" (not \\frac{1}{2}x), \\frac{a}{b}^2 -> "(a/b)^2" (not a/b^2, which is
+    \\frac{a}{b^2}); the mixed number 2\\frac{1}{2} -> "5/2" (gluing the digits would give 21/2)."""
     whole, numerator, denominator = match.groups()
     if whole is None:
-        numerator = numerator if _BARE_NUMERATOR.fullmatch(numerator) else f"({numerator})"
+        numerator = numerator if bare_numerator(numerator) else f"({numerator})"
         denominator = denominator if _BARE_DENOMINATOR.fullmatch(denominator) else f"({denominator})"
-        return f"{numerator}/{denominator}"
+        # (a/\\frac{b}{c} is a/(b/c), not a/b/c; \\frac{a}{b}^2 squares the whole)
+        enclosed = (match.string[:match.start()].rstrip().endswith("/")
+                    or match.string[match.end():].lstrip().startswith("^"))
+        return f"({numerator}/{denominator})" if enclosed else f"{numerator}/{denominator}"
     # (isdecimal, not isdigit: int() rejects the digits isdigit also accepts, such as "²")
     if not (numerator.strip().isdecimal() and denominator.strip().isdecimal()) or not denominator.strip("0 "):
         return f"{whole} {numerator}/{denominator}"  # no number: left as text
@@ -1654,9 +1690,6 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           "--eval-batch-size must be at least 1 and --num-eval-prompts >= 0")
     check(args.eval_every >= 0, "--eval-every must be >= 0 (0 = only at the start and the end)")
     check(args.save_every >= 0, "--save-every must be >= 0 (0 = only the final model)")
-    check(not (args.share_prompts == "always" and args.gradient_checkpointing), "--share-prompts always with "
-          "--gradient-checkpointing: transformers' checkpointed layers fill no KV cache to share; use --share-prompts "
-          "auto or never")
     check(args.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1 (got {args.keep_checkpoints})")
     check(args.prompts_per_step % world_size == 0, f"--prompts-per-step {args.prompts_per_step} must be "
           f"divisible by the number of processes ({world_size})")
@@ -1841,8 +1874,12 @@ def train(args: Args) -> dict:
     encoded_prompts = encode_prompts(tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template,
                                      args.max_prompt_length, where=places, system_prompt=args.system_prompt)
     longest = max(len(ids) for ids in encoded_prompts)
-    # characters the tokenizer has no token for: the model sees one token for all of them
-    unknown = [0 if tokenizer.unk_token_id is None else ids.count(tokenizer.unk_token_id) for ids in encoded_prompts]
+    # characters the tokenizer has no token for: the model sees one token for all of them (not counted where the
+    # unknown token is also BOS, EOS or pad, as GPT-2's <|endoftext|> is: a template puts those in every prompt)
+    unknown_id = tokenizer.unk_token_id
+    if unknown_id in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id):
+        unknown_id = None
+    unknown = [0 if unknown_id is None else ids.count(unknown_id) for ids in encoded_prompts]
     if sum(unknown):
         first_unknown = places[next(i for i, count in enumerate(unknown) if count)]
         print0(f"warning: {sum(unknown)} of the prompts' {sum(map(len, encoded_prompts))} tokens are the tokenizer's "

@@ -461,6 +461,20 @@ def is_unicode(text: str) -> bool:
     return True
 
 
+def is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return False
+    return True
+
+
+def jsonl_lines(data: bytes) -> list[bytes]:
+    """A file's lines, numbered as editors number them: split at each LF (a CR before it is JSON whitespace), or at
+    each CR in a file without LFs (classic Mac line ends)."""
+    return data.split(b"\n") if b"\n" in data else data.split(b"\r")
+
+
 def check_jsonl_bytes(path: str, data: bytes, what: str) -> None:
     """Refuse, with what to do, the files that are not JSON lines but are often given for them."""
     if data.startswith(b"\x1f\x8b"):
@@ -468,7 +482,10 @@ def check_jsonl_bytes(path: str, data: bytes, what: str) -> None:
     if data.startswith(b"PAR1"):
         raise UserError(f"{path} is a Parquet file; pass {what}, e.g. written by pandas.read_parquet(path)"
                         ".to_json(out, orient='records', lines=True)")
-    if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+    head = data.lstrip(b"\xef\xbb\xbf \t\r\n")
+    first_line = head.split(b"\n", 1)[0]
+    # a pretty-printed array, or one on a single line (not a list on the first of several lines: a row to skip)
+    if head.startswith(b"[") and (not is_json(first_line) or not head[len(first_line):].strip()):
         raise UserError(f"{path} holds a JSON array, not JSON lines; pass {what}, one object per line (e.g. "
                         "`jq -c '.[]' file.json > file.jsonl`)")
 
@@ -492,8 +509,7 @@ def load_jsonl_rows(path: str, *, need_labels: bool = True, skip_bad_rows: bool 
     except OSError as error:
         raise UserError(f"cannot read data file {path!r}: {error.strerror or error}") from None
     check_jsonl_bytes(path, data, f"a JSONL file of {what} rows")
-    # (splitlines: also at a lone CR, which no JSON text holds unescaped)
-    for line_number, raw in enumerate(data.splitlines(), start=1):
+    for line_number, raw in enumerate(jsonl_lines(data), start=1):
         try:
             line = raw.decode("utf-8-sig")  # -sig: drops the byte-order mark Windows tools write
             if not line.strip():
@@ -1866,10 +1882,14 @@ def train(args: Args) -> dict:
     if len(set(correct_labels)) == 1:  # (a "+"/"-" mapped the wrong way, or only a data set's chosen steps kept)
         print0(f"warning: every training label is {'correct (>= 0.5)' if correct_labels[0] else 'wrong (< 0.5)'}: "
                "the PRM can only learn to give every step that one score", file=sys.stderr, enabled=is_main)
+    # characters the tokenizer has no token for: the model sees one token for all of them (not counted where the
+    # unknown token is also BOS, EOS or pad, as GPT-2's <|endoftext|> is, which starts every row)
     all_examples = train_examples + val_examples + eval_examples
-    unknown = sum(example["input_ids"].count(tokenizer.unk_token_id) for example in all_examples
-                  ) if tokenizer.unk_token_id is not None else 0
-    if unknown:  # characters the tokenizer has no token for: the model sees one token for all of them
+    unknown_id = tokenizer.unk_token_id
+    if unknown_id in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id):
+        unknown_id = None
+    unknown = 0 if unknown_id is None else sum(example["input_ids"].count(unknown_id) for example in all_examples)
+    if unknown:
         print0(f"warning: {unknown} of the rows' {sum(len(e['input_ids']) for e in all_examples)} tokens are the "
                f"tokenizer's unknown token {tokenizer.unk_token!r}"
                + (f": --model tiny knows only the characters {''.join(TINY_CHARS)!r}; pass --model, a hub model or a "

@@ -1573,6 +1573,12 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("\\boxed{\\frac{a}{b+c}}", "\\frac{a}{b}+c", 0.0), ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2", 1.0),
     ("\\boxed{\\frac{2x}{3}}", "2x/3", 1.0), ("\\boxed{\\frac{1,500}{2,000}}", "0.75", 1.0),
     ("\\boxed{\\frac{x+1}{2}}", "(x+1)/2", 1.0),
+    # and no more than that: a bracketed or raised part is already whole, a power binds before "/"
+    ("\\boxed{n(n+1)/2}", "\\frac{n(n+1)}{2}", 1.0), ("\\boxed{1/x^2}", "\\frac{1}{x^2}", 1.0),
+    ("\\boxed{1/n!}", "\\frac{1}{n!}", 1.0), ("\\boxed{1/\\sqrt3}", "\\frac{1}{\\sqrt3}", 1.0),
+    ("\\boxed{k/(k+1)}", "\\frac{k}{k+1}", 1.0), ("\\boxed{\\frac{1}{\\pi}r}", "\\frac{1}{\\pi r}", 0.0),
+    # a fraction raised to a power, or divided into, is bracketed whole
+    ("\\boxed{\\frac{a}{b}^2}", "\\frac{a}{b^2}", 0.0), ("\\boxed{a/\\frac{b}{c}}", "\\frac{a}{b}/c", 0.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
@@ -1590,12 +1596,14 @@ def test_json_number_answers_keep_their_value(tmp_path):
     from grpo import load_jsonl_prompts
 
     path = tmp_path / "rows.jsonl"
-    # (digits past a float's 17 as written, not rounded: 0.333333333333333333 is not 0.3333333333333333)
-    written = ["5e-05", "1e20", "3", "2.5", "-0.125", "0.333333333333333333", "12345678901234567890.0", "1e999999"]
+    # digits past a float's 17 as written, not rounded (0.333333333333333333 is not 0.3333333333333333); the others
+    # as a float spells them, as before (2.50 -> 2.5, 1e3 -> 1000.0): the data's fingerprint, which a resume
+    # checks, is unchanged
+    written = ["5e-05", "1e20", "3", "2.5", "-0.125", "0.333333333333333333", "12345678901234567890.0", "2.50", "1e3"]
     path.write_text("".join(f'{{"prompt": "p", "answer": {a}}}\n' for a in written))
     answers = [row["answer"] for row in load_jsonl_prompts(str(path))]
     assert answers == ["0.00005", "100000000000000000000", "3", "2.5", "-0.125", "0.333333333333333333",
-                       "12345678901234567890.0", "1E+999999"]
+                       "12345678901234567890.0", "2.5", "1000.0"]
     assert answer_reward("0.00005", answers[0]) == 1.0 and answer_reward("5", answers[0]) == 0.0
     assert answer_reward("12345678901234567890", answers[6]) == 1.0
 
@@ -1610,6 +1618,7 @@ def test_json_number_answers_keep_their_value(tmp_path):
     (b'{"prompt": "1+2=", "solution": "\\\\boxed{3}"}\n', 'rename that field to "answer"'),
     (b'{"prompt": "1+2=", "answer": ' + b"9" * 5000 + b"}\n", "rows.jsonl:1: invalid JSON (a number of over 4,300"),
     (b'{"a": ' * 100000 + b"1" + b"}" * 100000 + b"\n", "rows.jsonl:1: invalid JSON (nested too deeply)"),
+    (b'{"prompt": "1+2=", "answer": 1e999999}\n', "rows.jsonl:1: the answer is inf, which no completion can equal"),
 ])
 def test_data_files_that_are_no_jsonl_of_prompts_are_named(tmp_path, content, message):
     from grpo import load_jsonl_prompts
@@ -1627,6 +1636,9 @@ def test_lines_ended_by_a_lone_cr_are_lines_and_placeholder_answers_are_warned_a
     path.write_bytes(b'{"prompt": "1+2=", "answer": "3"}\r{"prompt": "2+2=", "answer": "None"}\r'
                      b'{"prompt": "3+2=", "answer": "n/a"}\r')
     assert [row["where"] for row in load_jsonl_prompts(str(path))] == [f"{path}:{n}" for n in (1, 2, 3)]
+    # with LFs, lines end at them: a CR before one, or inside a row, is JSON whitespace (Windows' \r\r\n too)
+    path.write_bytes(b'{"prompt": "1+2=",\r"answer": "3"}\r\r\n{"prompt": "2+2=", "answer": "4"}\r\n')
+    assert [row["where"] for row in load_jsonl_prompts(str(path))] == [f"{path}:{n}" for n in (1, 2)]
     assert (f"warning: 2 answers are None, null, nan or N/A (the first at {path}:2): missing values written as "
             "text?") in capsys.readouterr().err
 

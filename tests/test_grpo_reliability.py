@@ -140,8 +140,6 @@ BAD_INPUTS = {
                                    "--prm-aggregate: PRM reward settings, but there is no PRM without --prm-path"),
     "KL estimator without KL": (lambda tmp: ["--kl-coef", "0", "--kl-estimator", "k1"],
                                 "--kl-estimator k1 with --kl-coef 0: there is no KL penalty to estimate"),
-    "shared prompts with checkpointed layers": (lambda tmp: ["--share-prompts", "always", "--gradient-checkpointing"],
-                                                "--share-prompts always with --gradient-checkpointing"),
     "lower clip of 1": (lambda tmp: ["--clip-eps-low", "1"], "--clip-eps-low must be in [0, 1)"),
     "negative eval interval": (lambda tmp: ["--eval-every", "-1"], "--eval-every must be >= 0 (0 = only at the start"),
     "no module to adapt": (lambda tmp: ["--lora-r", "2", "--lora-target-modules", ","],

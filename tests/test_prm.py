@@ -511,6 +511,20 @@ def test_lines_ended_by_a_lone_cr_are_lines(tmp_path):
     places = []
     rows, _ = prm.load_jsonl_rows(str(path), places=places)
     assert [row["prompt"] for row in rows] == ["p", "q"] and places == [f"{path}:1", f"{path}:3"]
+    # with LFs, lines end at them: a CR before one, or inside a row, is JSON whitespace (Windows' \r\r\n too)
+    path.write_bytes(b'{"prompt": "p",\r"completions": ["a"], "labels": [1]}\r\r\n{"prompt": "q", "completions": '
+                     b'["b"], "labels": [0]}\r\n')
+    places = []
+    rows, _ = prm.load_jsonl_rows(str(path), places=places)
+    assert [row["prompt"] for row in rows] == ["p", "q"] and places == [f"{path}:1", f"{path}:2"]
+
+
+def test_a_list_on_the_first_of_several_lines_is_a_bad_row_not_a_json_array(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'[1, 2]\n{"prompt": "p", "completions": ["a"], "labels": [1]}\n')
+    assert prm.load_jsonl_rows(str(path), skip_bad_rows=True)[1] == 1
+    with pytest.raises(prm.UserError, match="rows.jsonl:1: a row must be a JSON object"):
+        prm.load_jsonl_rows(str(path))
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):

@@ -586,6 +586,20 @@ def test_notes_on_data_and_settings_that_cannot_train_as_meant(tmp_path, capsys)
         assert message not in outputs[0] and message in outputs[1], message
 
 
+def test_an_unknown_token_that_is_also_bos_is_not_counted_as_unreadable_text(tmp_path, capsys):
+    """GPT-2's <|endoftext|> is its BOS, EOS and unknown token at once: the BOS before every row is no character
+    the tokenizer failed to read."""
+    tokenizer = prm.build_tiny_tokenizer()
+    tokenizer.bos_token = tokenizer.unk_token
+    prm.build_tiny_backbone(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    code, stdout, err = run_main(["--output-dir", str(tmp_path / "run"), *SMALL, "--total-steps", "1", "--model",
+                                  str(tmp_path / "model"), "--data-path", small_data(tmp_path, 12)], capsys,
+                                 with_stdout=True)
+    assert code == 0, err
+    assert "unknown token" not in stdout + err
+
+
 # listed here, not read from RESUME_MUST_MATCH; the data is checked by its content, not its path (see
 # test_a_run_resumes_with_its_data_file_given_by_another_path)
 OTHER_SETTINGS = {"model": "other", "num_val_rows": 7, "step_separator": "\n\n",
