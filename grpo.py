@@ -2057,6 +2057,11 @@ def train(args: Args) -> dict:
            f"({args.eval_data_path or ('the built-in task' if args.data_path is None else 'none')}); prompts "
            f"{'in the chat template' if templated else 'as raw text'}, the first: "
            f"{first if len(first) <= 300 else first[:150] + ' ... ' + first[-150:]!r}", enabled=is_main)
+    unevaluated = [f"--{name.replace('_', '-')}" for name in ("eval_every", "eval_batch_size", "num_eval_prompts")
+                   if getattr(args, name) != getattr(Args(), name)]
+    if args.data_path is not None and not args.eval_data_path and unevaluated:
+        print0(f"note: {', '.join(unevaluated)} set the evaluation, but --data-path without --eval-data-path holds no "
+               "prompts out to evaluate on", enabled=is_main)
 
     def save_run_state(path: str, step: int, base_model=None, evaluated: bool = True) -> None:
         """The model and everything a resume needs, written on rank 0 (under FSDP every rank calls it: the shards

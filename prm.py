@@ -2070,6 +2070,11 @@ def train(args: Args) -> dict:
     print0(f"model {args.model}: {n_params:,} parameters ({n_trainable:,} trained), {dtype}, {device}; "
            f"{args.world_size} process(es); {len(train_examples)} training rows, {len(val_examples)} validation, "
            f"{len(eval_examples)} eval; {args.total_steps} steps of {args.batch_size} rows", enabled=is_main)
+    unevaluated = [f"--{name.replace('_', '-')}" for name in ("eval_every", "num_eval_rows", "num_val_rows")
+                   if getattr(args, name) != getattr(Args(), name)]
+    if args.data_path is not None and not args.eval_data_path and unevaluated:
+        print0(f"note: {', '.join(unevaluated)} set the evaluation, but --data-path without --eval-data-path holds no "
+               "rows out to evaluate on", enabled=is_main)
 
     if eval_examples:  # said now, so that a NaN metric is not taken for a diverged model
         scored_step_kinds = {label >= 0.5 for e in eval_examples for label in e["labels"]}

@@ -198,6 +198,8 @@ def test_a_run_without_held_out_prompts_prints_no_evaluation(tmp_path, capsys):
     assert "eval accuracy" not in out and len(step_lines) == 3 and not any("eval_acc" in line for line in step_lines)
     assert not any("eval_accuracy" in row for row in read_metrics(out_dir)) and read_eval_rows(out_dir) == []
     assert read_summary(out_dir)["eval_accuracy_end"] is None  # NaN, written as null
+    assert ("note: --eval-every, --num-eval-prompts set the evaluation, but --data-path without --eval-data-path "
+            "holds no prompts out to evaluate on") in out
 
 
 @pytest.mark.parametrize("script", ["grpo", "prm"])

@@ -584,6 +584,8 @@ def test_notes_on_data_and_settings_that_cannot_train_as_meant(tmp_path, capsys)
                     "note: --warmup-steps 3 is more than the run's 1 steps: the learning rate never reaches "
                     "--learning-rate (at most 0.33 of it)"):
         assert message not in outputs[0] and message in outputs[1], message
+    assert all("note: --eval-every, --num-val-rows set the evaluation, but --data-path without --eval-data-path "
+               "holds no rows out to evaluate on" in output for output in outputs)
 
 
 def test_an_unknown_token_that_is_also_bos_is_not_counted_as_unreadable_text(tmp_path, capsys):
