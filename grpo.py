@@ -572,13 +572,16 @@ _LATEX_FRACTION = re.compile(r"(?:(?<![\w^.])(-?\d+)\s*)?\\[dt]?frac\{([^{}]*)\}
 _BRACELESS_FRACTION = re.compile(r"\\([dt]?frac)\s*(\d)\s*(\d)")
 
 
-# what only writes a number differently: LaTeX thousands separators (1{,}000, 10,\!000), a Unicode minus, currency
-# and percent signs (the answer 18 is stated by $18 or 18%)
-_NUMBER_SPELLINGS = (("{,}", ","), (",\\!", ","), ("\u2212", "-"), ("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""))
+# what only writes a number differently: LaTeX thousands separators (1{,}000, 10,\!000), a Unicode minus or dash as
+# a minus (else "\u20135" would state 5), currency and percent signs (the answer 18 is stated by $18 or 18%)
+_DASHES = "\u2212\u2010\u2011\u2012\u2013\ufe63\uff0d"
+_NUMBER_SPELLINGS = (("{,}", ","), (",\\!", ","), *((dash, "-") for dash in _DASHES), ("\\$", ""), ("$", ""),
+                     ("\\%", ""), ("%", ""))
 # a unit that ends a number's statement (\boxed{18\text{ cm}}, 90^\circ, 90°), as the MATH answer normaliser drops
 # it: one word in \text{} or \mbox{}, not a scale (5\text{ million}) nor more words (2\text{ and a half}, 1\text{ (mod
 # 7)}), and not followed by more (5\text{ and }7, 18\text{ cm}^2); \mathrm{} is left alone (3\mathrm{i} is a value)
-_LATEX_UNIT = re.compile(r"(?<=\d)\s*(?:\\[,;: ]\s*)*(?:\\(?:text|mbox)\{\s*(?!(?:hundred|thousand|[mbtr]illion)s?\b)"
+_LATEX_UNIT = re.compile(r"(?<=\d)\s*(?:\\[,;: ]\s*)*(?:\\(?:text|mbox)\{\s*"
+                         r"(?!(?:(?i:hundred|thousand|dozen|[mb]illion|trillion|quadrillion|bn|mn)(?:th)?s?|[kKMBi])\b)"
                          r"[A-Za-z]+\.?\s*\}|\^\s*\{?\\circ\}?|°)(?![ \t]*[\w\\^{])")
 
 
@@ -626,21 +629,28 @@ def bare_numerator(text: str) -> bool:
     return True
 
 
+def _fraction_text(numerator: str, denominator: str) -> str:
+    numerator = numerator if bare_numerator(numerator) else f"({numerator})"
+    denominator = denominator if _BARE_DENOMINATOR.fullmatch(denominator) else f"({denominator})"
+    return f"{numerator}/{denominator}"
+
+
 def latex_fraction_as_text(match: re.Match) -> str:
     """\\frac{a}{b} -> "a/b", bracketed where a/b would read otherwise: \\frac{x+1}{2} -> "(x+1)/2" (not x+1/2, which
     is x+\\frac{1}{2}), \\frac{1}{2x} -> "1/(2x)" (not \\frac{1}{2}x), \\frac{a}{b}^2 -> "(a/b)^2" (not a/b^2, which is
     \\frac{a}{b^2}); the mixed number 2\\frac{1}{2} -> "5/2" (gluing the digits would give 21/2)."""
     whole, numerator, denominator = match.groups()
     if whole is None:
-        numerator = numerator if bare_numerator(numerator) else f"({numerator})"
-        denominator = denominator if _BARE_DENOMINATOR.fullmatch(denominator) else f"({denominator})"
+        fraction = _fraction_text(numerator, denominator)
         # (a/\\frac{b}{c} is a/(b/c), not a/b/c; \\frac{a}{b}^2 squares the whole)
         enclosed = (match.string[:match.start()].rstrip().endswith("/")
                     or match.string[match.end():].lstrip().startswith("^"))
-        return f"({numerator}/{denominator})" if enclosed else f"{numerator}/{denominator}"
+        # (after a digit that is no whole part, x^2\\frac{1}{2} or 1.5\\frac{1}{2}: kept apart, not read as 21/2)
+        glued = match.string[max(match.start() - 1, 0):match.start()] in tuple("0123456789.")
+        return (" " if glued else "") + (f"({fraction})" if enclosed else fraction)
     # (isdecimal, not isdigit: int() rejects the digits isdigit also accepts, such as "²")
     if not (numerator.strip().isdecimal() and denominator.strip().isdecimal()) or not denominator.strip("0 "):
-        return f"{whole} {numerator}/{denominator}"  # no number: left as text
+        return f"{whole} {_fraction_text(numerator, denominator)}"  # no number: left as text
     try:
         magnitude = abs(int(whole)) + Fraction(int(numerator), int(denominator))
     except ValueError:  # past int()'s 4,300 digits: a degenerate completion, scored as text rather than crashing
@@ -661,6 +671,15 @@ def last_boxed(text: str) -> Optional[tuple[str, int]]:
     return None
 
 
+# the first number after a #### is no answer when it is part of an expression: followed by an operator, a power, a
+# LaTeX command, a digit (5², 2½, 3,5) or a glued letter (2x), or a scale word (5 million); or after a sign, an
+# operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). "72 dollars", "**72**", "x = 72" still state 72
+_CONTINUES_EXPRESSION = re.compile(r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/=+\-\u00d7\u00b7\u00f7\u00b2\u00b3\u00b9"
+                                   r"\u00bc-\u00be]|\*(?!\*)[ \t]*[\d(\\]|\d|[,.]\d)"
+                                   r"|[A-Za-z\d]|[ \t]+(?i:hundred|thousand|dozen|[mb]illion|trillion)s?\b")
+_AFTER_OPERATOR = re.compile(r"(?:[-+\u00b1(\[{^_/\u00d7\u00b7]|(?<!\*)\*|\\[A-Za-z]+)[ \t]*$")  # (not **bold**)
+
+
 def final_answer(completion: str) -> Optional[str]:
     """The answer a completion states (numbers normalised, \\frac{a}{b} read as a/b): the first number after a
     final `####` (or its text, if none), the content of the last \\boxed{}, or else its last number. A `####` counts
@@ -669,8 +688,12 @@ def final_answer(completion: str) -> Optional[str]:
     completion = normalise_math(completion)
     marked = completion.split("####")[-1].strip() if "####" in completion else None
     if marked is not None and "\n" not in marked:
-        number = _NUMBER.search(marked)
-        return number.group(0) if number else marked
+        number = _NUMBER.search(marked)  # "#### 72 dollars": 72; "#### 2\\sqrt{3}": the text (as in a box)
+        if number and not _AFTER_OPERATOR.search(marked[:number.start()]) and not _CONTINUES_EXPRESSION.match(
+                marked, number.end()):
+            return number.group(0)
+        boxed = last_boxed(marked)  # "#### Final Answer: \\boxed{2\\sqrt{3}}", "#### Step 4: so \\boxed{12}"
+        return boxed[0] if boxed is not None else marked
     boxed = last_boxed(completion)
     if boxed is not None:
         return boxed[0]
@@ -704,7 +727,11 @@ def format_reward(completion: str, answer: str) -> float:
     zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}, one closing
     `$`, `$$`, `\\)` or `\\]` and one full stop aside (`$\\boxed{5}$.`)."""
     text = completion.strip()
-    ending = re.sub(r"\s*(?:\$\$?|\\\)|\\\])?\s*\.?$", "", text)  # the statement, one closing mark and full stop aside
+    ending = text.removesuffix(".").rstrip()  # the statement, one closing mark and full stop aside (no regex:
+    for mark in ("$$", "$", "\\)", "\\]"):  # \s*(mark)?\s*\.?$ backtracks cubically on a long run of spaces)
+        if ending.endswith(mark):
+            ending = ending.removesuffix(mark).rstrip()
+            break
     boxed = last_boxed(ending)
     boxed_last = boxed is not None and boxed[1] == len(ending) and boxed[0].strip() != ""
     marked = re.search(r"####\s*(\S+)$", ending)  # a number, nothing else: not "#### 5,,," nor "#### 1.2.3"

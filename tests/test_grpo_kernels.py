@@ -10,6 +10,7 @@ completion_logprobs on the tiny model, and completion_logprobs with shared promp
 import copy
 import math
 import re
+import signal
 import statistics
 import sys
 import types
@@ -1579,6 +1580,20 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("\\boxed{k/(k+1)}", "\\frac{k}{k+1}", 1.0), ("\\boxed{\\frac{1}{\\pi}r}", "\\frac{1}{\\pi r}", 0.0),
     # a fraction raised to a power, or divided into, is bracketed whole
     ("\\boxed{\\frac{a}{b}^2}", "\\frac{a}{b^2}", 0.0), ("\\boxed{a/\\frac{b}{c}}", "\\frac{a}{b}/c", 0.0),
+    # the number after a #### is no answer when an expression goes on from it, or leads to it (as in a box)
+    ("#### 2\\sqrt{3}", "2", 0.0), ("#### 5^2", "5", 0.0), ("#### 5 \\times 10^3", "5", 0.0), ("#### (1, 2)", "1", 0.0),
+    ("#### 5 million", "5", 0.0), ("#### 5\\text{ million}", "5", 0.0), ("#### \\frac{1}{2}x", "0.5", 0.0),
+    ("#### 10 - 3 = 7", "10", 0.0), ("#### \\pm 5", "5", 0.0), ("#### - 5", "5", 0.0), ("#### 3,5", "3", 0.0),
+    ("#### 5\u00b2", "5", 0.0), ("#### Final Answer: $\\boxed{2\\sqrt{3}}$", "2", 0.0),
+    ("#### 2\\sqrt{3}", "2\\sqrt{3}", 1.0), ("#### 72 dollars", "72", 1.0), ("#### **72**", "72", 1.0),
+    ("#### x = 72", "72", 1.0), ("#### 72, the total", "72", 1.0), ("#### 72.", "72", 1.0),
+    # a mixed number or a fraction after a digit that is no whole part: bracketed and kept apart
+    ("\\boxed{3\\frac{x+1}{2}}", "3x+\\frac{1}{2}", 0.0), ("\\boxed{1.5\\frac{1}{2}}", "0.755", 0.0),
+    ("the value is x^2\\frac{1}{2}", "10.5", 0.0),
+    # scales are no units, in any case; a dash before a number is its minus
+    ("\\boxed{5\\text{ trillion}}", "5", 0.0), ("\\boxed{5\\text{ Million}}", "5", 0.0),
+    ("\\boxed{5\\text{ dozen}}", "5", 0.0), ("\\boxed{3\\text{ i}}", "3", 0.0), ("\\boxed{5\\text{ m}}", "5", 1.0),
+    ("#### \u20135", "5", 0.0), ("#### \u20135", "-5", 1.0), ("#### \uff0d5", "5", 0.0), ("ages 5\u20137", "7", 1.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
@@ -1671,6 +1686,22 @@ def test_final_answer_reads_fractions_and_unclosed_boxes():
 ])
 def test_format_reward(completion, expected):
     assert format_reward(completion, "") == expected
+
+
+def test_format_reward_of_a_long_run_of_blanks_takes_no_time():
+    """A run of blanks mid-text (a degenerate completion) made the end-of-statement regex backtrack in cubic time:
+    8,000 newlines took minutes, in a reward that is on by default."""
+    def out_of_time(signum, frame):
+        raise TimeoutError("format_reward backtracks")
+
+    saved = signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(10)
+    try:
+        assert format_reward("#### 5" + "\n" * 8000 + "x", "5") == 0.0
+        assert format_reward("so " + " " * 8000 + "\\boxed{5}$.", "5") == 1.0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, saved)
 
 
 def test_a_failing_batched_reward_is_reported_or_skipped(capsys):
