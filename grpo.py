@@ -469,9 +469,10 @@ def load_jsonl_prompts(path: str) -> list[dict]:
             continue
         try:  # (numbers as written: a float would keep 17 of 0.333333333333333333's digits)
             row = json.loads(line, parse_float=Decimal)
-        except (ValueError, RecursionError) as error:  # (also a 5,000-digit integer, 100,000 nested lists)
+        # (also a 5,000-digit integer, 100,000 nested lists, an exponent past Decimal's range: ArithmeticError)
+        except (ValueError, RecursionError, ArithmeticError) as error:
             reason = error.msg if isinstance(error, json.JSONDecodeError) else (
-                "nested too deeply" if isinstance(error, RecursionError) else "a number of over 4,300 digits")
+                "nested too deeply" if isinstance(error, RecursionError) else "a number too long or too large")
             raise UserError(f"{path}:{line_number}: invalid JSON ({reason})") from None
         if isinstance(row, dict) and isinstance(row.get("prompt"), list):
             raise UserError(f"{path}:{line_number}: the prompt is a list (chat messages?); give the question as a "
@@ -495,6 +496,11 @@ def load_jsonl_prompts(path: str) -> list[dict]:
         if isinstance(answer, float) and not math.isfinite(answer):  # json reads NaN and Infinity as numbers
             raise UserError(f"{path}:{line_number}: the answer is {answer}, which no completion can equal (a "
                             "missing value written as NaN?); give the reference answer")
+        if isinstance(answer, Decimal) and -answer.as_tuple().exponent - len(answer.as_tuple().digits) > 4300:
+            # (1e-99999999 would be written out as a 100-million-character answer, read by every reward call)
+            raise UserError(f"{path}:{line_number}: the answer {answer} has over 4,300 zeros after its decimal point "
+                            "when written out, more than a completion's number is read to; give the reference "
+                            "answer as a string")
         if isinstance(answer, (int, float, Decimal)) and not isinstance(answer, bool):
             # positional notation: str(5e-05) is "5e-05", whose first number is 5
             answer = str(answer) if isinstance(answer, int) else format(Decimal(repr(answer)) if isinstance(
@@ -635,6 +641,9 @@ def _fraction_text(numerator: str, denominator: str) -> str:
     return f"{numerator}/{denominator}"
 
 
+_POWER_AFTER = re.compile(r"\s*\^")  # (\s is str.isspace's whitespace, as lstrip() strips)
+
+
 def latex_fraction_as_text(match: re.Match) -> str:
     """\\frac{a}{b} -> "a/b", bracketed where a/b would read otherwise: \\frac{x+1}{2} -> "(x+1)/2" (not x+1/2, which
     is x+\\frac{1}{2}), \\frac{1}{2x} -> "1/(2x)" (not \\frac{1}{2}x), \\frac{a}{b}^2 -> "(a/b)^2" (not a/b^2, which is
@@ -643,8 +652,13 @@ def latex_fraction_as_text(match: re.Match) -> str:
     if whole is None:
         fraction = _fraction_text(numerator, denominator)
         # (a/\\frac{b}{c} is a/(b/c), not a/b/c; \\frac{a}{b}^2 squares the whole)
-        enclosed = (match.string[:match.start()].rstrip().endswith("/")
-                    or match.string[match.end():].lstrip().startswith("^"))
+        # (looked at in place, not by slicing the text: a copy of it per fraction was quadratic in a completion of
+        # thousands of \\frac{}{}; both scans stop at the blanks next to the fraction, each blank read twice at most)
+        before = match.start()
+        while before > 0 and match.string[before - 1].isspace():
+            before -= 1
+        enclosed = ((before > 0 and match.string[before - 1] == "/")
+                    or _POWER_AFTER.match(match.string, match.end()) is not None)
         # (after a digit that is no whole part, x^2\\frac{1}{2} or 1.5\\frac{1}{2}: kept apart, not read as 21/2)
         glued = match.string[max(match.start() - 1, 0):match.start()] in tuple("0123456789.")
         return (" " if glued else "") + (f"({fraction})" if enclosed else fraction)
@@ -722,6 +736,20 @@ def answer_reward(completion: str, answer: str) -> float:
 _CANONICAL_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
 
 
+def marked_token(ending: str) -> Optional[str]:
+    """What re.search(r"####\\s*(\\S+)$", ending) captures in a text without trailing blanks: the text after the
+    first `####` that only blanks separate from the end's last word, or that starts inside it. Found from the last
+    word, not by that regex, which tries every `#` of a run of them and scans to the end from each: 40,000 `#`
+    before " x" took seconds."""
+    words = ending.rsplit(None, 1)  # (str.split's blanks are the regex's \s)
+    if not words:
+        return None
+    if len(words) == 2 and words[0].endswith("####"):  # "#### 5", "#####  5"
+        return words[1]
+    at = words[-1].find("####")  # "####5", "######5" (-> "##5", as the regex's leftmost match has it)
+    return words[-1][at + 4:] if at >= 0 and at + 4 < len(words[-1]) else None
+
+
 def format_reward(completion: str, answer: str) -> float:
     """1.0 when the completion states its answer cleanly: nothing but a number written canonically (no leading
     zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}, one closing
@@ -734,8 +762,8 @@ def format_reward(completion: str, answer: str) -> float:
             break
     boxed = last_boxed(ending)
     boxed_last = boxed is not None and boxed[1] == len(ending) and boxed[0].strip() != ""
-    marked = re.search(r"####\s*(\S+)$", ending)  # a number, nothing else: not "#### 5,,," nor "#### 1.2.3"
-    stated_last = (marked is not None and _NUMBER.fullmatch(marked.group(1)) is not None) or boxed_last
+    marked = marked_token(ending)  # a number, nothing else: not "#### 5,,," nor "#### 1.2.3"
+    stated_last = (marked is not None and _NUMBER.fullmatch(marked) is not None) or boxed_last
     return 1.0 if _CANONICAL_NUMBER.fullmatch(text) or stated_last else 0.0
 
 

@@ -1631,7 +1631,9 @@ def test_json_number_answers_keep_their_value(tmp_path):
     (b'{"prompt": " ", "answer": "3"}\n', "rows.jsonl:1: the prompt is empty"),
     (b'{"prompt": [{"role": "user", "content": "1+2="}], "answer": "3"}\n', "rows.jsonl:1: the prompt is a list"),
     (b'{"prompt": "1+2=", "solution": "\\\\boxed{3}"}\n', 'rename that field to "answer"'),
-    (b'{"prompt": "1+2=", "answer": ' + b"9" * 5000 + b"}\n", "rows.jsonl:1: invalid JSON (a number of over 4,300"),
+    (b'{"prompt": "1+2=", "answer": ' + b"9" * 5000 + b"}\n", "rows.jsonl:1: invalid JSON (a number too long or too"),
+    (b'{"prompt": "1+2=", "answer": 1e-999999999999999999999}\n', "rows.jsonl:1: invalid JSON (a number too long"),
+    (b'{"prompt": "1+2=", "answer": 1e-99999999}\n', "rows.jsonl:1: the answer 1E-99999999 has over 4,300 zeros"),
     (b'{"a": ' * 100000 + b"1" + b"}" * 100000 + b"\n", "rows.jsonl:1: invalid JSON (nested too deeply)"),
     (b'{"prompt": "1+2=", "answer": 1e999999}\n', "rows.jsonl:1: the answer is inf, which no completion can equal"),
 ])
@@ -1702,6 +1704,34 @@ def test_format_reward_of_a_long_run_of_blanks_takes_no_time():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, saved)
+
+
+def test_rewards_of_degenerate_completions_take_linear_time():
+    """A run of `#` before the last word made format_reward's `####\\s*(\\S+)$` search scan to the end from each
+    `#` (40,000: 6 s); thousands of \\frac{}{} made answer_reward copy the text once per fraction (200,000
+    characters: 5 s)."""
+    def out_of_time(signum, frame):
+        raise TimeoutError("a reward takes super-linear time")
+
+    saved = signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(10)
+    try:
+        assert format_reward("#" * 200_000 + " x", "5") == 0.0
+        assert format_reward("#" * 200_000 + " 5", "5") == 1.0  # (the last "####" before the blanks marks the 5)
+        assert answer_reward("\U0001F600" + "\\frac12 " * 25_000, "1/2") == 1.0
+        assert answer_reward("72", "\U0001F600" + "\\frac{x+1}{2x}" * 14_000) == 0.0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, saved)
+
+
+def test_marked_token_is_the_regex_capture():
+    from grpo import marked_token
+
+    for text in ["#### 5", "#####  5", "######5", "####", "a ####", "x #### 5 6", "#### \u3000 7", "5", "",
+                 "####\x1c5", "## ## 5", "#### #### 5"]:
+        match = re.search(r"####\s*(\S+)$", text)
+        assert marked_token(text) == (match.group(1) if match else None), text
 
 
 def test_a_failing_batched_reward_is_reported_or_skipped(capsys):
