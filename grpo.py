@@ -1307,13 +1307,15 @@ def _reward_failure(name: str, index: int, completion: str, answer: str, problem
     return float("nan")
 
 
-def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
+def make_reward_fns(args: Args, device, prompts: Optional[list[str]] = None) -> list[tuple[str, Callable, float]]:
+    """(name, function, weight) of every reward with a weight. prompts: the training prompts, checked against the
+    PRM's max length."""
     fns = []
     if args.answer_reward_weight:
         fns.append(("answer", answer_reward, args.answer_reward_weight))
     if args.format_reward_weight:
         fns.append(("format", format_reward, args.format_reward_weight))
-    if args.prm_path is not None and args.prm_weight:
+    if args.prm_path is not None:
         import prm  # only imported when a PRM is asked for
 
         try:
@@ -1324,14 +1326,27 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
             raise UserError(f"--prm-aggregate prod multiplies probabilities, and {args.prm_path} was trained with "
                             "--loss-kind mse: its scores are raw values (a product of two negatives is positive); "
                             "use min, last or mean")
-        separator = args.prm_step_separator or process_reward_model.config["step_separator"]
+        separator = args.prm_step_separator if args.prm_step_separator is not None else (
+            process_reward_model.config["step_separator"])
+        max_length, prm_tokenizer = process_reward_model.config["max_length"], process_reward_model.tokenizer
+        bos = int(prm_tokenizer.bos_token_id is not None)  # (build_prm_example puts it before the prompt)
+        filled = sum(bos + len(ids) >= max_length for ids in prm_tokenizer(
+            prompts, add_special_tokens=False)["input_ids"]) if prompts else 0
+        if filled:  # no step of theirs can be scored: their completions all get the reward of an empty one
+            message = (f"{filled} of the {len(prompts)} training prompts fill the PRM's max length ({max_length} "
+                       "tokens) by themselves, leaving no room for a step: their completions get a PRM reward of 0")
+            if filled == len(prompts):
+                raise UserError(f"--prm-path: {message}; train the PRM with a larger --max-length")
+            print0(f"warning: {message}", file=sys.stderr, enabled=os.environ.get("RANK", "0") == "0")
 
         truncation_reported = []
 
         def prm_reward(prompts: list[str], completions: list[str]) -> list[float]:
             """Split each completion into steps as prm.py's training rows are, score every step, aggregate. An
             empty completion has no step and gets 0.0, a surely wrong solution's score (scoring it as one empty
-            step would reward saying nothing). Steps past the PRM's max length get no score (warned once)."""
+            step would reward saying nothing). A step past the PRM's max length, which it cannot see, scores 0 too
+            (warned once): left out, it would let a policy raise its reward by writing on past the steps it is
+            judged on."""
             steps = [prm.split_steps(completion, separator) for completion in completions]
             scores = prm.score_steps(process_reward_model, prompts, steps)
             cut = sum(len(step_scores) < len(row_steps) for step_scores, row_steps in zip(scores, steps))
@@ -1340,9 +1355,10 @@ def make_reward_fns(args: Args, device) -> list[tuple[str, Callable, float]]:
                 world_size = int(os.environ.get("WORLD_SIZE", "1"))  # (each process scores its own share)
                 where = f" (process {os.environ.get('RANK', '0')} of {world_size})" if world_size > 1 else ""
                 print0(f"warning{where}: {cut} of {len(completions)} completions have steps past the PRM's max length "
-                       f"({process_reward_model.config['max_length']} tokens): only the steps before it are scored; "
-                       "lower --max-new-tokens or train the PRM with a larger --max-length", file=sys.stderr)
-            return [prm.aggregate_scores(step_scores, args.prm_aggregate) for step_scores in scores]
+                       f"({max_length} tokens), which score 0; lower --max-new-tokens or train the PRM with a larger "
+                       "--max-length", file=sys.stderr)
+            return [prm.aggregate_scores([*step_scores, *[0.0] * (len(row_steps) - len(step_scores))],
+                                         args.prm_aggregate) for step_scores, row_steps in zip(scores, steps)]
 
         fns.append(("prm", prm_reward, args.prm_weight))
     if not fns:
@@ -1716,10 +1732,14 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(not re.fullmatch(r"(?:\\[nt]|\s)*\\[nt](?:\\[nt]|\s)*", args.prm_step_separator or ""),
           f"--prm-step-separator {args.prm_step_separator!r} holds a backslash and a letter, not a line break: a shell "
           "passes \"\\n\" as those two characters; in bash write $'\\n\\n' for a blank line")
-    prm_flags = [f"--{name.replace('_', '-')}" for name in ("prm_aggregate", "prm_step_separator")
+    prm_flags = [f"--{name.replace('_', '-')}" for name in ("prm_aggregate", "prm_step_separator", "prm_weight")
                  if getattr(args, name) != getattr(defaults, name)]
     check(args.prm_path is not None or not prm_flags, f"{' and '.join(prm_flags)}: PRM reward settings, but there is "
           "no PRM without --prm-path: pass it, or drop them")
+    check(args.prm_path is None or args.prm_weight != 0, "--prm-weight 0 turns the PRM reward of --prm-path off: "
+          "drop --prm-path, or give a weight")
+    check(args.prm_step_separator != "", "--prm-step-separator must not be empty (None, the default, is the "
+          "separator the PRM was trained with)")
     check(min(args.total_steps, args.prompts_per_step, args.num_iterations, args.num_minibatches) >= 1,
           "--total-steps, --prompts-per-step, --num-iterations and --num-minibatches must be at least 1")
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "
@@ -1951,7 +1971,7 @@ def train(args: Args) -> dict:
         if learned:
             raise UserError(f"{message}: lower --max-new-tokens or --max-prompt-length")
         print0(f"warning: {message}, beyond which it was not trained", file=sys.stderr, enabled=is_main)
-    reward_fns = make_reward_fns(args, device)
+    reward_fns = make_reward_fns(args, device, [r["prompt"] for r in train_rows])
 
     @functools.lru_cache(maxsize=2)
     def epoch_order(epoch: int) -> np.ndarray:

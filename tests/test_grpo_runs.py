@@ -414,6 +414,8 @@ def test_default_run_learns_the_task(tmp_path):
 
 
 def test_prm_reward_from_a_trained_prm(tmp_path, capsys, monkeypatch):
+    import prm
+
     prm_dir = tmp_path / "prm"
     process = subprocess.run([sys.executable, "prm.py", "--output-dir", str(prm_dir), "--total-steps", "3",
                               "--eval-every", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
@@ -438,15 +440,31 @@ def test_prm_reward_from_a_trained_prm(tmp_path, capsys, monkeypatch):
     (_, prm_reward, _), = grpo.make_reward_fns(args, torch.device("cpu"))
     empty, whitespace, step = prm_reward(["start 3\n"] * 3, ["", "  ", "3+1=4"])
     assert empty == whitespace == 0.0 and 0.0 < step < 1.0
-    # steps past the PRM's max length are not scored, and a warning says so (once)
+    # steps past the PRM's max length, which it cannot see, score 0 (writing on past them gains nothing), and a
+    # warning says so (once)
     config_path = prm_dir / "final" / "prm_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "max_length": 18}))
+    for aggregate in ("min", "mean"):
+        (_, prm_reward, _), = grpo.make_reward_fns(grpo.Args(**{**vars(args), "prm_aggregate": aggregate}),
+                                                   torch.device("cpu"))
+        cut, short = prm_reward(["start 3\n"] * 2, ["3+1=4\n4+1=5\n5-1=4", "3+1=4"])
+        seen = prm.score_steps(prm.load_prm(str(prm_dir / "final")), ["start 3\n"], [["3+1=4", "4+1=5", "5-1=4"]])[0]
+        assert 0 < len(seen) < 3 and short > 0.0  # the last step does not fit
+        assert cut == pytest.approx(0.0 if aggregate == "min" else sum(seen) / 3, abs=1e-6)
+    capsys.readouterr()
     (_, prm_reward, _), = grpo.make_reward_fns(args, torch.device("cpu"))
     prm_reward(["start 3\n"] * 2, ["3+1=4\n4+1=5\n5-1=4", "3+1=4"])
     prm_reward(["start 3\n"], ["3+1=4\n4+1=5\n5-1=4"])
     err = capsys.readouterr().err
-    assert err.count("warning: 1 of 2 completions have steps past the PRM's max length (18 tokens)") == 1
+    assert err.count("warning: 1 of 2 completions have steps past the PRM's max length (18 tokens), which score 0") == 1
     assert "of 1 completions" not in err
+    # a training prompt that fills the max length by itself leaves no step to score: warned, or refused for all
+    long_prompt = "start 3\n" + "1" * 20
+    grpo.make_reward_fns(args, torch.device("cpu"), ["start 3\n", long_prompt])
+    assert ("warning: 1 of the 2 training prompts fill the PRM's max length (18 tokens) by themselves, leaving no "
+            "room for a step: their completions get a PRM reward of 0") in capsys.readouterr().err
+    with pytest.raises(grpo.UserError, match="--prm-path: 1 of the 1 training prompts fill the PRM's max length"):
+        grpo.make_reward_fns(args, torch.device("cpu"), [long_prompt])
     # under torchrun each process scores its share and warns of its own: the counts say whose they are
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
