@@ -491,16 +491,15 @@ def load_jsonl_prompts(path: str) -> list[dict]:
         answer = row.get("answer")
         if isinstance(answer, Decimal):  # read as a float, unless that loses digits written (0.333333333333333333)
             as_float = float(answer)
-            if not math.isfinite(as_float) or Decimal(repr(as_float)) == answer:
+            if math.isfinite(as_float) and Decimal(repr(as_float)) == answer:
                 answer = as_float
         if isinstance(answer, float) and not math.isfinite(answer):  # json reads NaN and Infinity as numbers
             raise UserError(f"{path}:{line_number}: the answer is {answer}, which no completion can equal (a "
                             "missing value written as NaN?); give the reference answer")
-        if isinstance(answer, Decimal) and -answer.as_tuple().exponent - len(answer.as_tuple().digits) > 4300:
+        if isinstance(answer, Decimal) and max(answer.adjusted() + 1, 1) + max(-answer.as_tuple().exponent, 0) > 4300:
             # (1e-99999999 would be written out as a 100-million-character answer, read by every reward call)
-            raise UserError(f"{path}:{line_number}: the answer {answer} has over 4,300 zeros after its decimal point "
-                            "when written out, more than a completion's number is read to; give the reference "
-                            "answer as a string")
+            raise UserError(f"{path}:{line_number}: the answer {answer} has over 4,300 digits when written out, more "
+                            "than a completion's number is read to; give the reference answer as a string")
         if isinstance(answer, (int, float, Decimal)) and not isinstance(answer, bool):
             # positional notation: str(5e-05) is "5e-05", whose first number is 5
             answer = str(answer) if isinstance(answer, int) else format(Decimal(repr(answer)) if isinstance(
@@ -580,7 +579,7 @@ _BRACELESS_FRACTION = re.compile(r"\\([dt]?frac)\s*(\d)\s*(\d)")
 
 # what only writes a number differently: LaTeX thousands separators (1{,}000, 10,\!000), a Unicode minus or dash as
 # a minus (else "\u20135" would state 5), currency and percent signs (the answer 18 is stated by $18 or 18%)
-_DASHES = "\u2212\u2010\u2011\u2012\u2013\ufe63\uff0d"
+_DASHES = "\u2212\u2012\u2013\ufe63\uff0d"  # (not the hyphens U+2010, U+2011)
 _NUMBER_SPELLINGS = (("{,}", ","), (",\\!", ","), *((dash, "-") for dash in _DASHES), ("\\$", ""), ("$", ""),
                      ("\\%", ""), ("%", ""))
 # a unit that ends a number's statement (\boxed{18\text{ cm}}, 90^\circ, 90°), as the MATH answer normaliser drops
@@ -641,7 +640,7 @@ def _fraction_text(numerator: str, denominator: str) -> str:
     return f"{numerator}/{denominator}"
 
 
-_POWER_AFTER = re.compile(r"\s*\^")  # (\s is str.isspace's whitespace, as lstrip() strips)
+_POWER_AFTER = re.compile(r"\s*[\^!]")  # (\s is str.isspace's whitespace, as lstrip() strips; (1/n)! too)
 
 
 def latex_fraction_as_text(match: re.Match) -> str:
@@ -685,28 +684,50 @@ def last_boxed(text: str) -> Optional[tuple[str, int]]:
     return None
 
 
+# scale words, which make a number another number (5 million, 5 K): never a unit
+_SCALE = r"(?i:hundred|thousand|dozen|[mb]illion|trillion|quadrillion|bn|mn)(?:th)?s?\b|[kKMB]\b"
 # the first number after a #### is no answer when it is part of an expression: followed by an operator, a power, a
-# LaTeX command, a digit (5², 2½, 3,5) or a glued letter (2x), or a scale word (5 million); or after a sign, an
-# operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). "72 dollars", "**72**", "x = 72" still state 72
-_CONTINUES_EXPRESSION = re.compile(r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/=+\-\u00d7\u00b7\u00f7\u00b2\u00b3\u00b9"
-                                   r"\u00bc-\u00be]|\*(?!\*)[ \t]*[\d(\\]|\d|[,.]\d)"
-                                   r"|[A-Za-z\d]|[ \t]+(?i:hundred|thousand|dozen|[mb]illion|trillion)s?\b")
-_AFTER_OPERATOR = re.compile(r"(?:[-+\u00b1(\[{^_/\u00d7\u00b7]|(?<!\*)\*|\\[A-Za-z]+)[ \t]*$")  # (not **bold**)
+# root, a LaTeX command, a digit (5², 2½, 3,5), a glued letter (2x, 5i, 2pi; a glued word is a unit: 72km), a scale
+# (5 million) or a product (5 x 3); or after a sign, an operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). A dash
+# before words is prose ("#### 72 - the total"); "72 dollars", "**72**", "x = 72" state 72
+_CONTINUES_EXPRESSION = re.compile(
+    r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/=+\u00d7\u00b7\u00f7\u00b1\u221a\u221b\u03c0\u22c5\u2219]"
+    r"|-[ \t]*(?:[\d(\\]|[A-Za-z](?![A-Za-z]))|\*\*?[ \t]*[\d(\\]"
+    r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.]\d)"
+    r"|(?i:pi|sqrt)|[A-Za-z](?![A-Za-z])|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")")
+_AFTER_OPERATOR = re.compile(r"(?:[-+\u00b1(\[{^_/\u00d7\u00b7\u221a\u221b\u22c5\u2219]|(?<!\*)\*|\\[A-Za-z]+)[ \t]*$")
+# what may wrap a stated number without changing it: brackets, math delimiters, emphasis (#### (72), #### \(72\),
+# #### *72*, #### \textbf{72})
+_WRAPPED = re.compile(r"(\\\(|\\\[|\(|\[|\{|\*\*?|_|\\(?:text|textbf|mathbf|mathrm)\{)\s*([^\s()\[\]{}*_\\]+)\s*"
+                      r"(\\\)|\\\]|\)|\]|\}|\*\*?|_)\.?")
+_CLOSING = {"\\(": "\\)", "\\[": "\\]", "(": ")", "[": "]", "{": "}", "*": "*", "**": "**", "_": "_"}
+
+
+def marked_number(marked: str) -> Optional[str]:
+    """The number a `####` line states, or None when its first number is part of an expression."""
+    wrapped = _WRAPPED.fullmatch(marked)
+    if wrapped and _CLOSING.get(wrapped[1], "}") == wrapped[3] and _NUMBER.fullmatch(wrapped[2]):
+        return wrapped[2]  # (1, 2) is not wrapped: no number fills it
+    number = _NUMBER.search(marked)
+    if number and not _AFTER_OPERATOR.search(marked[:number.start()]) and not _CONTINUES_EXPRESSION.match(
+            marked, number.end()):
+        return number.group(0)
+    return None
 
 
 def final_answer(completion: str) -> Optional[str]:
-    """The answer a completion states (numbers normalised, \\frac{a}{b} read as a/b): the first number after a
-    final `####` (or its text, if none), the content of the last \\boxed{}, or else its last number. A `####` counts
-    only on the completion's last line, as GSM8K writes it: a Markdown heading (`#### Step 2: ...`) followed by
-    more lines is no answer marker (its first number, 2, was read as the answer)."""
+    """The answer a completion states (numbers normalised, \\frac{a}{b} read as a/b): after a final `####`, its first
+    number (see marked_number), else the last \\boxed{} in that line, else the line's text; the content of the last
+    \\boxed{}; or else its last number. A `####` counts only on the completion's last line, as GSM8K writes it: a
+    Markdown heading (`#### Step 2: ...`) followed by more lines is no answer marker (its first number, 2, was read
+    as the answer)."""
     completion = normalise_math(completion)
     marked = completion.split("####")[-1].strip() if "####" in completion else None
     if marked is not None and "\n" not in marked:
-        number = _NUMBER.search(marked)  # "#### 72 dollars": 72; "#### 2\\sqrt{3}": the text (as in a box)
-        if number and not _AFTER_OPERATOR.search(marked[:number.start()]) and not _CONTINUES_EXPRESSION.match(
-                marked, number.end()):
-            return number.group(0)
-        boxed = last_boxed(marked)  # "#### Final Answer: \\boxed{2\\sqrt{3}}", "#### Step 4: so \\boxed{12}"
+        number = marked_number(marked)  # "#### 72 dollars": 72; "#### 2\\sqrt{3}": the text (as in a box)
+        if number is not None:
+            return number
+        boxed = last_boxed(marked)  # "#### Final Answer: \\boxed{2\\sqrt{3}}"
         return boxed[0] if boxed is not None else marked
     boxed = last_boxed(completion)
     if boxed is not None:
@@ -730,7 +751,14 @@ def answer_reward(completion: str, answer: str) -> float:
     stated_value, answer_value = parse_number(stated, whole=True), parse_number(answer, whole=True)
     if stated_value is not None and answer_value is not None:
         return float(stated_value == answer_value)
-    return float("".join(stated.split()) == "".join(normalise_math(answer).split()))
+    compact = "".join(stated.split())
+    if stated_value is None and parse_number(compact, whole=True) is not None and not _SPACED_THOUSANDS.fullmatch(
+            stated.strip()):
+        return 0.0  # "7 2" or "3 1/2" are two numbers, which dropping the spaces would join into 72 or 31/2
+    return float(compact == "".join(normalise_math(answer).split()))
+
+
+_SPACED_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?")  # 1 200 000
 
 
 _CANONICAL_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
@@ -1950,9 +1978,9 @@ def train(args: Args) -> dict:
                                      args.max_prompt_length, where=places, system_prompt=args.system_prompt)
     longest = max(len(ids) for ids in encoded_prompts)
     # characters the tokenizer has no token for: the model sees one token for all of them (not counted where the
-    # unknown token is also BOS, EOS or pad, as GPT-2's <|endoftext|> is: a template puts those in every prompt)
+    # unknown token is also BOS or EOS, as GPT-2's <|endoftext|> is: a template puts those in every prompt)
     unknown_id = tokenizer.unk_token_id
-    if unknown_id in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id):
+    if unknown_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
         unknown_id = None
     unknown = [0 if unknown_id is None else ids.count(unknown_id) for ids in encoded_prompts]
     if sum(unknown):

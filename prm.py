@@ -1883,10 +1883,10 @@ def train(args: Args) -> dict:
         print0(f"warning: every training label is {'correct (>= 0.5)' if correct_labels[0] else 'wrong (< 0.5)'}: "
                "the PRM can only learn to give every step that one score", file=sys.stderr, enabled=is_main)
     # characters the tokenizer has no token for: the model sees one token for all of them (not counted where the
-    # unknown token is also BOS, EOS or pad, as GPT-2's <|endoftext|> is, which starts every row)
+    # unknown token is also BOS or EOS, as GPT-2's <|endoftext|> is, which starts every row)
     all_examples = train_examples + val_examples + eval_examples
     unknown_id = tokenizer.unk_token_id
-    if unknown_id in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id):
+    if unknown_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
         unknown_id = None
     unknown = 0 if unknown_id is None else sum(example["input_ids"].count(unknown_id) for example in all_examples)
     if unknown:

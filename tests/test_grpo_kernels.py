@@ -1594,6 +1594,20 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("\\boxed{5\\text{ trillion}}", "5", 0.0), ("\\boxed{5\\text{ Million}}", "5", 0.0),
     ("\\boxed{5\\text{ dozen}}", "5", 0.0), ("\\boxed{3\\text{ i}}", "3", 0.0), ("\\boxed{5\\text{ m}}", "5", 1.0),
     ("#### \u20135", "5", 0.0), ("#### \u20135", "-5", 1.0), ("#### \uff0d5", "5", 0.0), ("ages 5\u20137", "7", 1.0),
+    ("price \u20105", "5", 1.0),  # (a hyphen is no minus)
+    # a number wrapped in brackets, math delimiters or emphasis is still that number; a glued word is a unit
+    ("#### (72)", "72", 1.0), ("#### \\(72\\)", "72", 1.0), ("#### \\[72\\]", "72", 1.0), ("#### *72*", "72", 1.0),
+    ("#### \\textbf{72}", "72", 1.0), ("#### (-3)", "-3", 1.0), ("#### (1, 2)", "1", 0.0), ("#### 72km", "72", 1.0),
+    ("#### 3rd", "3", 1.0), ("#### 72 - the total", "72", 1.0), ("#### 72 \u2013 the total", "72", 1.0),
+    # and Unicode or plain-word operators, powers, roots and scales go on from it
+    ("#### \u221a72", "72", 0.0), ("#### 72\u03c0", "72", 0.0), ("#### 72\u2074", "72", 0.0),
+    ("#### 72 \u2153", "72", 0.0), ("#### 72 \u22c5 2", "72", 0.0), ("#### 72**2", "72", 0.0),
+    ("#### 72 \u00b1 3", "72", 0.0), ("#### 5 x 3", "5", 0.0),
+    ("#### 2 pi", "2", 0.0), ("#### 2 sqrt(3)", "2", 0.0), ("#### 5 squared", "5", 0.0), ("#### 5 K", "5", 0.0),
+    ("#### 5 bn", "5", 0.0), ("#### 5 hundredths", "5", 0.0), ("#### 72 - 3", "72", 0.0), ("#### 2 pieces", "2", 1.0),
+    # numbers apart are not one number when compared as text; groups of three are
+    ("#### 3 1/2", "31/2", 0.0), ("#### 7 2", "72", 0.0), ("#### 1 200", "1200", 1.0),
+    ("\\boxed{\\frac{1}{n}!}", "\\frac{1}{n!}", 0.0),  # (1/n)! is no 1/n!
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
@@ -1614,11 +1628,12 @@ def test_json_number_answers_keep_their_value(tmp_path):
     # digits past a float's 17 as written, not rounded (0.333333333333333333 is not 0.3333333333333333); the others
     # as a float spells them, as before (2.50 -> 2.5, 1e3 -> 1000.0): the data's fingerprint, which a resume
     # checks, is unchanged
-    written = ["5e-05", "1e20", "3", "2.5", "-0.125", "0.333333333333333333", "12345678901234567890.0", "2.50", "1e3"]
+    written = ["5e-05", "1e20", "3", "2.5", "-0.125", "0.333333333333333333", "12345678901234567890.0", "2.50", "1e3",
+               "1e400"]  # (past a float's range: as written)
     path.write_text("".join(f'{{"prompt": "p", "answer": {a}}}\n' for a in written))
     answers = [row["answer"] for row in load_jsonl_prompts(str(path))]
     assert answers == ["0.00005", "100000000000000000000", "3", "2.5", "-0.125", "0.333333333333333333",
-                       "12345678901234567890.0", "2.5", "1000.0"]
+                       "12345678901234567890.0", "2.5", "1000.0", "1" + "0" * 400]
     assert answer_reward("0.00005", answers[0]) == 1.0 and answer_reward("5", answers[0]) == 0.0
     assert answer_reward("12345678901234567890", answers[6]) == 1.0
 
@@ -1633,9 +1648,10 @@ def test_json_number_answers_keep_their_value(tmp_path):
     (b'{"prompt": "1+2=", "solution": "\\\\boxed{3}"}\n', 'rename that field to "answer"'),
     (b'{"prompt": "1+2=", "answer": ' + b"9" * 5000 + b"}\n", "rows.jsonl:1: invalid JSON (a number too long or too"),
     (b'{"prompt": "1+2=", "answer": 1e-999999999999999999999}\n', "rows.jsonl:1: invalid JSON (a number too long"),
-    (b'{"prompt": "1+2=", "answer": 1e-99999999}\n', "rows.jsonl:1: the answer 1E-99999999 has over 4,300 zeros"),
+    (b'{"prompt": "1+2=", "answer": 1e-99999999}\n', "rows.jsonl:1: the answer 1E-99999999 has over 4,300 digits"),
     (b'{"a": ' * 100000 + b"1" + b"}" * 100000 + b"\n", "rows.jsonl:1: invalid JSON (nested too deeply)"),
-    (b'{"prompt": "1+2=", "answer": 1e999999}\n', "rows.jsonl:1: the answer is inf, which no completion can equal"),
+    (b'{"prompt": "1+2=", "answer": 1e999999}\n', "rows.jsonl:1: the answer 1E+999999 has over 4,300 digits when"),
+    (b'{"prompt": "1+2=", "answer": NaN}\n', "rows.jsonl:1: the answer is nan, which no completion can equal"),
 ])
 def test_data_files_that_are_no_jsonl_of_prompts_are_named(tmp_path, content, message):
     from grpo import load_jsonl_prompts
