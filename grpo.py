@@ -684,17 +684,21 @@ def last_boxed(text: str) -> Optional[tuple[str, int]]:
     return None
 
 
-# scale words, which make a number another number (5 million, 5 K): never a unit
-_SCALE = r"(?i:hundred|thousand|dozen|[mb]illion|trillion|quadrillion|bn|mn)(?:th)?s?\b|[kKMB]\b"
+# scale words, which make a number another number (5 million, 5 K): never a unit (but the M of "72 M&Ms" is no scale)
+_SCALE = (r"(?i:hundred|thousand|dozen|[mb]illion|trillion|quadrillion|bn|mn)(?:th)?s?\b"
+          r"|[kKMB](?=[ \t]*(?:$|[,;!?)]|\.[ \t]*$))")
+# units written glued to a number (72km, 3rd, 10am); any other glued letters are algebra (2x, 2xy, 2pi, 2sin(x))
+_GLUED_UNIT = r"(?:[kcm]?m|[km]?g|m?[lL]|lbs?|oz|ft|yd|mi|mph|kph|min|mins|hrs?|sec|secs|[ap]m|st|nd|rd|th|[kMG]B)"
 # the first number after a #### is no answer when it is part of an expression: followed by an operator, a power, a
-# root, a LaTeX command, a digit (5², 2½, 3,5), a glued letter (2x, 5i, 2pi; a glued word is a unit: 72km), a scale
-# (5 million) or a product (5 x 3); or after a sign, an operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). A dash
-# before words is prose ("#### 72 - the total"); "72 dollars", "**72**", "x = 72" state 72
+# root, a LaTeX command, a digit (5², 2½, 3,5), glued letters other than a unit, a scale (5 million) or a product
+# (5 x 3); or after a sign, an operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). A dash before a word of 3 or
+# more letters is prose ("#### 72 - the total"); "72 dollars", "**72**", "x = 72" state 72
 _CONTINUES_EXPRESSION = re.compile(
-    r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/=+\u00d7\u00b7\u00f7\u00b1\u221a\u221b\u03c0\u22c5\u2219]"
-    r"|-[ \t]*(?:[\d(\\]|[A-Za-z](?![A-Za-z]))|\*\*?[ \t]*[\d(\\]"
+    r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/=+\u00d7\u00b7\u00f7\u00b1\u221a\u221b\u03c0\u22c5\u2219\u2010\u2011]"
+    r"|-(?![ \t]*(?!(?i:sin|cos|tan|cot|sec|csc|log|exp|sqrt))[A-Za-z]{3})|\*\*?[ \t]*[\d(\\]"
     r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.]\d)"
-    r"|(?i:pi|sqrt)|[A-Za-z](?![A-Za-z])|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")")
+    r"|(?!" + _GLUED_UNIT + r"(?![\w^(_{]))[A-Za-z]"
+    r"|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")")
 _AFTER_OPERATOR = re.compile(r"(?:[-+\u00b1(\[{^_/\u00d7\u00b7\u221a\u221b\u22c5\u2219]|(?<!\*)\*|\\[A-Za-z]+)[ \t]*$")
 # what may wrap a stated number without changing it: brackets, math delimiters, emphasis (#### (72), #### \(72\),
 # #### *72*, #### \textbf{72})
@@ -751,14 +755,15 @@ def answer_reward(completion: str, answer: str) -> float:
     stated_value, answer_value = parse_number(stated, whole=True), parse_number(answer, whole=True)
     if stated_value is not None and answer_value is not None:
         return float(stated_value == answer_value)
-    compact = "".join(stated.split())
-    if stated_value is None and parse_number(compact, whole=True) is not None and not _SPACED_THOUSANDS.fullmatch(
-            stated.strip()):
+    reference = normalise_math(answer)
+    if " ".join(stated.split()) == " ".join(reference.split()):
+        return 1.0
+    if re.search(r"\d\s+\.?\d", stated) and not _SPACED_THOUSANDS.fullmatch(stated.strip()):
         return 0.0  # "7 2" or "3 1/2" are two numbers, which dropping the spaces would join into 72 or 31/2
-    return float(compact == "".join(normalise_math(answer).split()))
+    return float("".join(stated.split()) == "".join(reference.split()))  # ("- 5" is -5, "1 / 2" is 1/2)
 
 
-_SPACED_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?: \d{3})+(?:\.\d+)?")  # 1 200 000
+_SPACED_THOUSANDS = re.compile(r"[-+]?\s*\d{1,3}(?:\s+\d{3})+(?:\.\d+)?")  # 1 200 000, 1\u202f200
 
 
 _CANONICAL_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
