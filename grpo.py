@@ -577,11 +577,12 @@ _LATEX_FRACTION = re.compile(r"(?:(?<![\w^.])(-?\d+)\s*)?\\[dt]?frac\{([^{}]*)\}
 _BRACELESS_FRACTION = re.compile(r"\\([dt]?frac)\s*(\d)\s*(\d)")
 
 
-# what only writes a number differently: LaTeX thousands separators (1{,}000, 10,\!000), a Unicode minus or dash as
-# a minus (else "\u20135" would state 5), currency and percent signs (the answer 18 is stated by $18 or 18%)
-_DASHES = "\u2212\u2012\u2013\ufe63\uff0d"  # (not the hyphens U+2010, U+2011)
-_NUMBER_SPELLINGS = (("{,}", ","), (",\\!", ","), *((dash, "-") for dash in _DASHES), ("\\$", ""), ("$", ""),
-                     ("\\%", ""), ("%", ""))
+# what only writes a number differently: LaTeX thousands separators (1{,}000, 10,\!000), a Unicode minus, currency
+# and percent signs (the answer 18 is stated by $18 or 18%)
+_NUMBER_SPELLINGS = (("{,}", ","), (",\\!", ","), ("\u2212", "-"), ("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""))
+# a figure, en, small or fullwidth dash glued to a number is its minus (else "\u20135" would state 5); spaced, it is
+# prose ("#### \u2013 72"); hyphens (U+2010, U+2011) are no minus
+_DASH_AS_MINUS = re.compile("[\u2012\u2013\ufe63\uff0d](?=\\.?\\d)")
 # a unit that ends a number's statement (\boxed{18\text{ cm}}, 90^\circ, 90°), as the MATH answer normaliser drops
 # it: one word in \text{} or \mbox{}, not a scale (5\text{ million}) nor more words (2\text{ and a half}, 1\text{ (mod
 # 7)}), and not followed by more (5\text{ and }7, 18\text{ cm}^2); \mathrm{} is left alone (3\mathrm{i} is a value)
@@ -595,6 +596,7 @@ def normalise_math(text: str) -> str:
     latex_fraction_as_text)."""
     for spelling, plain in _NUMBER_SPELLINGS:
         text = text.replace(spelling, plain)
+    text = _DASH_AS_MINUS.sub("-", text)
     text = _BRACELESS_FRACTION.sub(r"\\\1{\2}{\3}", text)
     return _LATEX_UNIT.sub("", _LATEX_FRACTION.sub(latex_fraction_as_text, text))  # (\frac{1}{2}\text{ cup}: 1/2)
 
@@ -688,18 +690,21 @@ def last_boxed(text: str) -> Optional[tuple[str, int]]:
 _SCALE = (r"(?i:hundred|thousand|dozen|[mb]illion|trillion|quadrillion|bn|mn)(?:th)?s?\b"
           r"|[kKMB](?=[ \t]*(?:$|[,;!?)]|\.[ \t]*$))")
 # units written glued to a number (72km, 3rd, 10am); any other glued letters are algebra (2x, 2xy, 2pi, 2sin(x))
-_GLUED_UNIT = r"(?:[kcm]?m|[km]?g|m?[lL]|lbs?|oz|ft|yd|mi|mph|kph|min|mins|hrs?|sec|secs|[ap]m|st|nd|rd|th|[kMG]B)"
+_GLUED_UNIT = r"(?:[kcm]?m|[km]?g|m?[lL]|lbs?|oz|ft|yd|mi|mph|kph|min|mins|hrs?|sec|secs|[ap]m|st|nd|rd|th|[kMG]B|h|s)"
 # the first number after a #### is no answer when it is part of an expression: followed by an operator, a power, a
 # root, a LaTeX command, a digit (5², 2½, 3,5), glued letters other than a unit, a scale (5 million) or a product
 # (5 x 3); or after a sign, an operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). A dash before a word of 3 or
-# more letters is prose ("#### 72 - the total"); "72 dollars", "**72**", "x = 72" state 72
+# more letters, or ending the line, is prose ("#### 72 - the total"); "72 dollars", "72m^2", "**72**", "x = 72" and
+# "72 = 8 * 9" state 72
 _CONTINUES_EXPRESSION = re.compile(
-    r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/=+\u00d7\u00b7\u00f7\u00b1\u221a\u221b\u03c0\u22c5\u2219\u2010\u2011]"
-    r"|-(?![ \t]*(?!(?i:sin|cos|tan|cot|sec|csc|log|exp|sqrt))[A-Za-z]{3})|\*\*?[ \t]*[\d(\\]"
+    r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/+\u00d7\u00b7\u00f7\u00b1\u221a\u221b\u03c0\u22c5\u2219\u2010\u2011]"
+    r"|-(?!-*[ \t]*(?:$|(?!(?i:sin|cos|tan|cot|sec|csc|log|exp|sqrt))[A-Za-z]{3}))|\*\*?[ \t]*[\d(\\]"
     r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.]\d)"
-    r"|(?!" + _GLUED_UNIT + r"(?![\w^(_{]))[A-Za-z]"
+    r"|(?!(?:" + _GLUED_UNIT + r"|(?:[kcm]?m|ft|yd|mi)(?:\^\{?[23]\}?|[\u00b2\u00b3]))(?![\w^(_{]))[A-Za-z]"
     r"|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")")
-_AFTER_OPERATOR = re.compile(r"(?:[-+\u00b1(\[{^_/\u00d7\u00b7\u221a\u221b\u22c5\u2219]|(?<!\*)\*|\\[A-Za-z]+)[ \t]*$")
+# (a dash after a word is a label's: "#### Answer - 72"; \quad and \approx lead to the number as a space or "=" would)
+_AFTER_OPERATOR = re.compile(r"(?:(?<![A-Za-z]{3}[ \t])-|[+\u00b1(\[{^_/\u00d7\u00b7\u221a\u221b\u22c5\u2219]|(?<!\*)\*"
+                             r"|\\(?!(?:q?quad|approx)\b)[A-Za-z]+)[ \t]*$")
 # what may wrap a stated number without changing it: brackets, math delimiters, emphasis (#### (72), #### \(72\),
 # #### *72*, #### \textbf{72})
 _WRAPPED = re.compile(r"(\\\(|\\\[|\(|\[|\{|\*\*?|_|\\(?:text|textbf|mathbf|mathrm)\{)\s*([^\s()\[\]{}*_\\]+)\s*"

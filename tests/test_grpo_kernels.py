@@ -1612,10 +1612,14 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("\\boxed{- \\frac{1}{2}}", "-\\frac{1}{2}", 1.0), ("#### - 5", "-5", 1.0), ("\\boxed{1 / 2}", "1/2", 1.0),
     ("\\boxed{1\u202f200}", "1200", 1.0), ("\\boxed{- 1 200}", "-1200", 1.0), ("#### 3 1/2", "3 1/2", 1.0),
     # glued letters are algebra unless a unit; a dash before an operand is an operator, an M of M&Ms no scale
-    ("#### 2xy", "2", 0.0), ("#### 2sin(x)", "2", 0.0), ("#### 5km^2", "5", 0.0), ("#### 6xy", "6xy", 1.0),
+    ("#### 2xy", "2", 0.0), ("#### 2sin(x)", "2", 0.0), ("#### 5km^2", "5", 1.0), ("#### 6xy", "6xy", 1.0),
     ("#### 72pieces", "72", 0.0), ("#### 10am", "10", 1.0), ("#### 2 - pi", "2", 0.0), ("#### 4 - sqrt(2)", "4", 0.0),
     ("#### 5 - -3", "5", 0.0), ("#### 5 - .5", "5", 0.0), ("#### 5 - xy", "5", 0.0), ("#### 72 M&Ms", "72", 1.0),
-    ("#### 5 K.", "5", 0.0), ("#### 5\u20111", "5", 0.0),
+    ("#### 5 K.", "5", 0.0), ("#### 5\u20111", "5", 0.0), ("#### 3h^2", "3", 0.0),
+    # a spaced dash is prose, a dash after a label word too; \quad and \approx lead to the number; "=" follows it
+    ("#### \u2013 72", "72", 1.0), ("#### \u2013 72", "-72", 0.0), ("The answer is \u201372", "-72", 1.0),
+    ("#### Answer - 72", "72", 1.0), ("#### \\approx 72", "72", 1.0), ("#### 72 = 8 * 9", "72", 1.0),
+    ("#### 72 -", "72", 1.0), ("#### 72h", "72", 1.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
