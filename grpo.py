@@ -489,21 +489,22 @@ def load_jsonl_prompts(path: str) -> list[dict]:
             raise UserError(f"{path}:{line_number}: the prompt holds a lone surrogate, half of a UTF-16 pair (text cut "
                             "inside an emoji?), which no tokenizer can encode; mend or drop the row")
         answer = row.get("answer")
-        if isinstance(answer, Decimal):  # read as a float, unless that loses digits written (0.333333333333333333)
-            as_float = float(answer)
-            if math.isfinite(as_float) and Decimal(repr(as_float)) == answer:
-                answer = as_float
-        if isinstance(answer, float) and not math.isfinite(answer):  # json reads NaN and Infinity as numbers
+        if isinstance(answer, float):  # json reads NaN and Infinity as floats (other numbers as Decimal here)
             raise UserError(f"{path}:{line_number}: the answer is {answer}, which no completion can equal (a "
                             "missing value written as NaN?); give the reference answer")
-        if isinstance(answer, Decimal) and max(answer.adjusted() + 1, 1) + max(-answer.as_tuple().exponent, 0) > 4300:
-            # (1e-99999999 would be written out as a 100-million-character answer, read by every reward call)
-            raise UserError(f"{path}:{line_number}: the answer {answer} has over 4,300 digits when written out, more "
-                            "than a completion's number is read to; give the reference answer as a string")
-        if isinstance(answer, (int, float, Decimal)) and not isinstance(answer, bool):
-            # positional notation: str(5e-05) is "5e-05", whose first number is 5
-            answer = str(answer) if isinstance(answer, int) else format(Decimal(repr(answer)) if isinstance(
-                answer, float) else answer, "f")
+        if isinstance(answer, Decimal):
+            # spelled as a float spells it (2.50 -> 2.5, 1e3 -> 1000.0: a resume's data fingerprint is unchanged),
+            # unless that loses digits written (0.333333333333333333) or the float's range (1e400)
+            as_float = float(answer)
+            if math.isfinite(as_float) and Decimal(repr(as_float)) == answer:
+                answer = Decimal(repr(as_float))
+            if max(answer.adjusted() + 1, 1) + max(-answer.as_tuple().exponent, 0) > 4300:
+                # (1e-99999999 would be written out as a 100-million-character answer, read by every reward call)
+                raise UserError(f"{path}:{line_number}: the answer {answer} has over 4,300 digits when written out, "
+                                "more than a completion's number is read to; give the reference answer as a string")
+            answer = format(answer, "f")  # positional notation: "5e-05" would state 5
+        elif isinstance(answer, int) and not isinstance(answer, bool):
+            answer = str(answer)
         if not isinstance(answer, str):
             raise UserError(f"{path}:{line_number}: each row needs a field \"answer\" (a string or a number)"
                             + (' (it has "solution": rename that field to "answer"; a worked solution\'s \\boxed{} '
@@ -1740,6 +1741,13 @@ def resolve_device(name: str, local_rank: int, local_processes: int = 1) -> torc
     return device
 
 
+def flags_set(args: Args, *names: str) -> list[str]:
+    """The flags among names given a value other than their default (a flag given its default value can't be told
+    from one not given)."""
+    defaults = Args()
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != getattr(defaults, name)]
+
+
 def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     """Flags that contradict each other stop the run before anything is loaded or written."""
     def check(condition: bool, message: str) -> None:
@@ -1754,13 +1762,11 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     check(args.max_bad_steps >= 1, f"--max-bad-steps must be at least 1, got {args.max_bad_steps}")
     # (inf and nan parse as numbers: --learning-rate inf made every weight NaN, --temperature inf trained nothing)
-    values = [(name, v) for name, value in vars(args).items() for v in (value if isinstance(value, tuple) else [value])]
-    not_finite = [(name, v) for name, v in values if isinstance(v, float) and not math.isfinite(v)]
-    check(not not_finite, f"--{not_finite[0][0].replace('_', '-')} must be a finite number, got {not_finite[0][1]}"
-          if not_finite else "")
-    defaults = Args()
-    lora_flags = [f"--{name.replace('_', '-')}" for name in ("lora_alpha", "lora_target_modules")
-                  if getattr(args, name) != getattr(defaults, name)]
+    for name, value in vars(args).items():
+        for number in value if isinstance(value, tuple) else [value]:
+            check(not isinstance(number, float) or math.isfinite(number),
+                  f"--{name.replace('_', '-')} must be a finite number, got {number}")
+    lora_flags = flags_set(args, "lora_alpha", "lora_target_modules")
     check(args.lora_r > 0 or not lora_flags, f"{' and '.join(lora_flags)}: LoRA settings, but --lora-r 0 (full "
           "fine-tuning) makes no adapters: pass --lora-r, or drop them")
     check(args.lora_target_modules == "all-linear" or args.lora_target_modules.strip(", "),
@@ -1770,8 +1776,7 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(not re.fullmatch(r"(?:\\[nt]|\s)*\\[nt](?:\\[nt]|\s)*", args.prm_step_separator or ""),
           f"--prm-step-separator {args.prm_step_separator!r} holds a backslash and a letter, not a line break: a shell "
           "passes \"\\n\" as those two characters; in bash write $'\\n\\n' for a blank line")
-    prm_flags = [f"--{name.replace('_', '-')}" for name in ("prm_aggregate", "prm_step_separator", "prm_weight")
-                 if getattr(args, name) != getattr(defaults, name)]
+    prm_flags = flags_set(args, "prm_aggregate", "prm_step_separator", "prm_weight")
     check(args.prm_path is not None or not prm_flags, f"{' and '.join(prm_flags)}: PRM reward settings, but there is "
           "no PRM without --prm-path: pass it, or drop them")
     check(args.prm_path is None or args.prm_weight != 0, "--prm-weight 0 turns the PRM reward of --prm-path off: "
@@ -1789,7 +1794,7 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.delta is None or args.delta > 1 + args.clip_eps_high,
           f"--delta {args.delta} must be above 1 + --clip-eps-high, or the bound clips every positive ratio")
     check(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
-    check(args.kl_coef > 0 or args.kl_estimator == defaults.kl_estimator, f"--kl-estimator {args.kl_estimator} with "
+    check(args.kl_coef > 0 or not flags_set(args, "kl_estimator"), f"--kl-estimator {args.kl_estimator} with "
           "--kl-coef 0: there is no KL penalty to estimate; pass --kl-coef above 0, or drop --kl-estimator")
     check(not args.kl_ratio_weighted or (args.kl_coef > 0 and args.kl_estimator != "k2"), "--kl-ratio-weighted "
           "weights the KL penalty by the ratio: it needs --kl-coef above 0 and --kl-estimator k1 or k3 (k2 times the "
@@ -2170,8 +2175,7 @@ def train(args: Args) -> dict:
            f"({args.eval_data_path or ('the built-in task' if args.data_path is None else 'none')}); prompts "
            f"{'in the chat template' if templated else 'as raw text'}, the first: "
            f"{first if len(first) <= 300 else first[:150] + ' ... ' + first[-150:]!r}", enabled=is_main)
-    unevaluated = [f"--{name.replace('_', '-')}" for name in ("eval_every", "eval_batch_size", "num_eval_prompts")
-                   if getattr(args, name) != getattr(Args(), name)]
+    unevaluated = flags_set(args, "eval_every", "eval_batch_size", "num_eval_prompts")
     if args.data_path is not None and not args.eval_data_path and unevaluated:
         print0(f"note: {', '.join(unevaluated)} set the evaluation, but --data-path without --eval-data-path holds no "
                "prompts out to evaluate on", enabled=is_main)

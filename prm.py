@@ -1437,6 +1437,13 @@ def check_scores_output(path: str, rows_path: str) -> None:
                         "another path") from None
 
 
+def flags_set(args: Args, *names: str) -> list[str]:
+    """The flags among names given a value other than their default (a flag given its default value can't be told
+    from one not given)."""
+    defaults = Args()
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != getattr(defaults, name)]
+
+
 def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     """Flags that contradict each other stop the run before anything is loaded or written."""
     def check(condition: bool, message: str) -> None:
@@ -1444,14 +1451,12 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
             raise UserError(message)
 
     # (inf and nan parse as numbers: --learning-rate inf made every weight NaN)
-    values = [(name, v) for name, value in vars(args).items() for v in (value if isinstance(value, tuple) else [value])]
-    not_finite = [(name, v) for name, v in values if isinstance(v, float) and not math.isfinite(v)]
-    check(not not_finite, f"--{not_finite[0][0].replace('_', '-')} must be a finite number, got {not_finite[0][1]}"
-          if not_finite else "")
+    for name, value in vars(args).items():
+        for number in value if isinstance(value, tuple) else [value]:
+            check(not isinstance(number, float) or math.isfinite(number),
+                  f"--{name.replace('_', '-')} must be a finite number, got {number}")
     check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
-    defaults = Args()
-    lora_flags = [f"--{name.replace('_', '-')}" for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
-                  if getattr(args, name) != getattr(defaults, name)]
+    lora_flags = flags_set(args, "lora_alpha", "lora_dropout", "lora_target_modules")
     check(args.lora_r > 0 or not lora_flags, f"{' and '.join(lora_flags)}: LoRA settings, but --lora-r 0 (full "
           "fine-tuning) makes no adapters: pass --lora-r, or drop them")
     check(args.lora_target_modules == "all-linear" or args.lora_target_modules.strip(", "),
@@ -1693,9 +1698,7 @@ def score_file(args: Args) -> dict:
     check_scores_output(args.scores_output, args.score_data_path)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every process would score every row into the same file
         raise UserError("--prm-path scores in one process: run it with python prm.py, not torchrun")
-    defaults = Args()
-    unused = [f"--{field.name.replace('_', '-')}" for field in fields(Args)
-              if field.name not in SCORING_FLAGS and getattr(args, field.name) != getattr(defaults, field.name)]
+    unused = flags_set(args, *(field.name for field in fields(Args) if field.name not in SCORING_FLAGS))
     if unused:  # (training flags: the saved PRM fixes its model, LoRA and loss; nothing is trained or logged)
         raise UserError(f"{', '.join(unused)}: training flags, which scoring with --prm-path does not use; drop them")
     if args.eval_batch_size < 1:
@@ -1708,10 +1711,9 @@ def score_file(args: Args) -> dict:
     rows, _ = load_jsonl_rows(args.score_data_path, need_labels=False, skip_bad_rows=args.skip_bad_rows,
                               skipped_places=skipped_places, places=places)
     prm = load_prm(args.prm_path, device, dtype, args.trust_remote_code)
-    defaults = Args()
     for name in ("step_separator", "max_length"):  # given and not the PRM's own: it would be ignored unsaid
         given, own = getattr(args, name), prm.config[name]
-        if given != getattr(defaults, name) and given != own:
+        if flags_set(args, name) and given != own:
             raise UserError(f"--{name.replace('_', '-')} {given!r}: {args.prm_path} was trained with {own!r}, "
                             "which scoring uses; drop the flag")
     try:
@@ -2070,8 +2072,7 @@ def train(args: Args) -> dict:
     print0(f"model {args.model}: {n_params:,} parameters ({n_trainable:,} trained), {dtype}, {device}; "
            f"{args.world_size} process(es); {len(train_examples)} training rows, {len(val_examples)} validation, "
            f"{len(eval_examples)} eval; {args.total_steps} steps of {args.batch_size} rows", enabled=is_main)
-    unevaluated = [f"--{name.replace('_', '-')}" for name in ("eval_every", "num_eval_rows", "num_val_rows")
-                   if getattr(args, name) != getattr(Args(), name)]
+    unevaluated = flags_set(args, "eval_every", "num_eval_rows", "num_val_rows")
     if args.data_path is not None and not args.eval_data_path and unevaluated:
         print0(f"note: {', '.join(unevaluated)} set the evaluation, but --data-path without --eval-data-path holds no "
                "rows out to evaluate on", enabled=is_main)
