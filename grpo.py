@@ -692,17 +692,22 @@ _SCALE = (r"(?i:hundred|thousand|dozen|[mb]illion|trillion|quadrillion|bn|mn)(?:
           r"|[kKMB](?=[ \t]*(?:$|[,;!?)]|\.[ \t]*$))")
 # units written glued to a number (72km, 3rd, 10am); any other glued letters are algebra (2x, 2xy, 2pi, 2sin(x))
 _GLUED_UNIT = r"(?:[kcm]?m|[km]?g|m?[lL]|lbs?|oz|ft|yd|mi|mph|kph|min|mins|hrs?|sec|secs|[ap]m|st|nd|rd|th|[kMG]B|h|s)"
+# glued letters other than a unit (2x, 2xy, 2pi, 3i; not 72km nor 5m^2) make a number a coefficient
+_GLUED_ALGEBRA = (r"(?!(?:" + _GLUED_UNIT + r"|(?:[kcm]?m|ft|yd|mi)(?:\^\{?[23]\}?|[\u00b2\u00b3]))(?![\w^(_{]))"
+                  r"[A-Za-z]")
 # the first number after a #### is no answer when it is part of an expression: followed by an operator, a power, a
-# root, a LaTeX command, a digit (5², 2½, 3,5), glued letters other than a unit, a scale (5 million) or a product
-# (5 x 3); or after a sign, an operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). A dash before a word of 3 or
-# more letters, or ending the line, is prose ("#### 72 - the total"); "72 dollars", "72m^2", "**72**", "x = 72" and
-# "72 = 8 * 9" state 72
+# root, a LaTeX command, a digit (5², 2½, 3,5), a colon before a digit (10:30, 3:2), glued algebra, a scale (5
+# million), a product (5 x 3), or a second number that a word, "and", "or" or "to" joins to it (4 hours and 30
+# minutes, 1 hour 30 minutes, 5 or 6, 5 to 7); or after a sign, an operator or a command (- 5, \pm 5, (1, 2),
+# \sqrt{2}). A dash before a word of 3 or more letters, or ending the line, is prose ("#### 72 - the total"); "72
+# dollars", "12 in 3 boxes", "72m^2", "**72**", "x = 72" and "72 = 8 * 9" state 72
 _CONTINUES_EXPRESSION = re.compile(
     r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/+\u00d7\u00b7\u00f7\u00b1\u221a\u221b\u03c0\u22c5\u2219\u2010\u2011]"
     r"|-(?!-*[ \t]*(?:$|(?!(?i:sin|cos|tan|cot|sec|csc|log|exp|sqrt))[A-Za-z]{3}))|\*\*?[ \t]*[\d(\\]"
-    r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.]\d)"
-    r"|(?!(?:" + _GLUED_UNIT + r"|(?:[kcm]?m|ft|yd|mi)(?:\^\{?[23]\}?|[\u00b2\u00b3]))(?![\w^(_{]))[A-Za-z]"
-    r"|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")")
+    r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.:]\d)|" + _GLUED_ALGEBRA +
+    r"|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")"
+    r"|[ \t]+(?:(?:and|or|to|&)[ \t]+|(?!(?:in|of|for|per|each|on|at|by|with|from|after|over|every)\b)"
+    r"[A-Za-z]+\.?,?[ \t]+(?:(?:and|&)[ \t]+)?)[-+]?\.?\d")
 # (a dash after a word is a label's: "#### Answer - 72"; \quad and \approx lead to the number as a space or "=" would)
 _AFTER_OPERATOR = re.compile(r"(?:(?<![A-Za-z]{3}[ \t])-|[+\u00b1(\[{^_/\u00d7\u00b7\u221a\u221b\u22c5\u2219]|(?<!\*)\*"
                              r"|\\(?!(?:q?quad|approx)\b)[A-Za-z]+)[ \t]*$")
@@ -725,12 +730,19 @@ def marked_number(marked: str) -> Optional[str]:
     return None
 
 
+# a completion's last number is no answer when it is under a root, an exponent or a subscript, divides a symbol
+# (\pi/2), follows a product or a function, or is a coefficient (3x, 3\pi, 2\sqrt{3}, 4^x)
+_ROOT_OR_POWER_BEFORE = re.compile(r"(?:[\^_/\u221a\u221b]|\\sqrt(?:\[\d\])?"
+                                   r"|\\(?:cdot|times|div|pm|mp|log|ln|sin|cos|tan)\b)[ \t]*(?:\{[ \t]*)?$")
+_ALGEBRA_AFTER = re.compile(_GLUED_ALGEBRA + r"|[ \t]*(?:\\(?:pi|sqrt|cdot|times|div|pm|mp)\b|[\^\u03c0\u221a])")
+
+
 def final_answer(completion: str) -> Optional[str]:
     """The answer a completion states (numbers normalised, \\frac{a}{b} read as a/b): after a final `####`, its first
     number (see marked_number), else the last \\boxed{} in that line, else the line's text; the content of the last
-    \\boxed{}; or else its last number. A `####` counts only on the completion's last line, as GSM8K writes it: a
-    Markdown heading (`#### Step 2: ...`) followed by more lines is no answer marker (its first number, 2, was read
-    as the answer)."""
+    \\boxed{}; or else its last number, unless an expression holds it (see _ROOT_OR_POWER_BEFORE). A `####` counts
+    only on the completion's last line, as GSM8K writes it: a Markdown heading (`#### Step 2: ...`) followed by more
+    lines is no answer marker (its first number, 2, was read as the answer)."""
     completion = normalise_math(completion)
     marked = completion.split("####")[-1].strip() if "####" in completion else None
     if marked is not None and "\n" not in marked:
@@ -742,8 +754,11 @@ def final_answer(completion: str) -> Optional[str]:
     boxed = last_boxed(completion)
     if boxed is not None:
         return boxed[0]
-    numbers = _NUMBER.findall(completion)
-    return numbers[-1] if numbers else None
+    numbers = list(_NUMBER.finditer(completion))
+    if not numbers or _ROOT_OR_POWER_BEFORE.search(completion, 0, numbers[-1].start()) or _ALGEBRA_AFTER.match(
+            completion, numbers[-1].end()):
+        return None  # ("the answer is $2\\sqrt{3}$" states no 3, "2^{5}" no 5, "3x" no 3)
+    return numbers[-1].group(0)
 
 
 def answer_reward(completion: str, answer: str) -> float:
@@ -1282,6 +1297,22 @@ def apply_lora(model, args: Args):
         raise UserError(f"--lora-target-modules: no layer is named {', '.join(unknown)}; this model's include "
                         f"{', '.join(candidates)}")
     return model
+
+
+def oversized_lora_note(model, rank: int) -> Optional[str]:
+    """A note when adapters of rank r hold at least as many weights as a layer they adapt, r (in + out) >= in out:
+    full fine-tuning would train that layer with fewer weights, and no adapter's rank exceeds min(in, out)."""
+    oversized = [(name, module.in_features, module.out_features) for name, module in model.named_modules()
+                 if isinstance(getattr(module, "in_features", None), int) and hasattr(module, "lora_A")
+                 and rank * (module.in_features + module.out_features) >= module.in_features * module.out_features]
+    if not oversized:
+        return None
+    name, in_features, out_features = min(oversized, key=lambda layer: layer[1] * layer[2] / (layer[1] + layer[2]))
+    below = (in_features * out_features - 1) // (in_features + out_features)
+    return (f"note: with --lora-r {rank}, {len(oversized)} adapters hold at least as many weights as the layer they "
+            f"adapt (r x (in + out) >= in x out; smallest: {name.removeprefix('base_model.model.')}, in "
+            f"{in_features}, out {out_features}); pass --lora-r {below} or less, or leave --lora-r out to train the "
+            "weights in full")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1915,6 +1946,9 @@ def train(args: Args) -> dict:
                                 "another checkpoint") from None
         else:
             model = apply_lora(model, args)
+            note = oversized_lora_note(model, args.lora_r)
+            if note:
+                print0(note, enabled=is_main)
     else:
         if args.kl_coef != 0.0:  # the reference is the initial policy: copied before any resumed weights load
             # requires_grad stays on (it only ever runs under no_grad): for the non-contiguous hidden states that

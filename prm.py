@@ -880,6 +880,22 @@ def apply_lora(backbone, args: Args):
     return backbone
 
 
+def oversized_lora_note(model, rank: int) -> Optional[str]:
+    """A note when adapters of rank r hold at least as many weights as a layer they adapt, r (in + out) >= in out:
+    full fine-tuning would train that layer with fewer weights, and no adapter's rank exceeds min(in, out)."""
+    oversized = [(name, module.in_features, module.out_features) for name, module in model.named_modules()
+                 if isinstance(getattr(module, "in_features", None), int) and hasattr(module, "lora_A")
+                 and rank * (module.in_features + module.out_features) >= module.in_features * module.out_features]
+    if not oversized:
+        return None
+    name, in_features, out_features = min(oversized, key=lambda layer: layer[1] * layer[2] / (layer[1] + layer[2]))
+    below = (in_features * out_features - 1) // (in_features + out_features)
+    return (f"note: with --lora-r {rank}, {len(oversized)} adapters hold at least as many weights as the layer they "
+            f"adapt (r x (in + out) >= in x out; smallest: {name.removeprefix('base_model.model.')}, in "
+            f"{in_features}, out {out_features}); pass --lora-r {below} or less, or leave --lora-r out to train the "
+            "weights in full")
+
+
 # FSDP2 also runs on CPU over gloo, which the tests use to check the sharded path; users get a clear error there
 FSDP_DEVICE_TYPES = ("cuda",)
 
@@ -1816,6 +1832,9 @@ def train(args: Args) -> dict:
     # FSDP keeps the (sharded) weights in fp32 and computes in `dtype`: it needs no master copies
     prm, base_copy = build_prm(args, torch.float32 if args.fsdp else dtype)
     prm.config["dtype"] = str(dtype).removeprefix("torch.")  # what load_prm scores in by default (FSDP: computes in)
+    note = oversized_lora_note(prm.backbone, args.lora_r) if args.lora_r > 0 and not resume_path else None
+    if note:
+        print0(note, enabled=is_main)
     config = prm.backbone.config
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if context and args.max_length > context:

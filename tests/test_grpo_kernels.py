@@ -1620,6 +1620,17 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("#### \u2013 72", "72", 1.0), ("#### \u2013 72", "-72", 0.0), ("The answer is \u201372", "-72", 1.0),
     ("#### Answer - 72", "72", 1.0), ("#### \\approx 72", "72", 1.0), ("#### 72 = 8 * 9", "72", 1.0),
     ("#### 72 -", "72", 1.0), ("#### 72h", "72", 1.0),
+    # a time, a ratio or a quantity in two numbers is no first number; a preposition's number is a detail
+    ("#### 10:30", "10", 0.0), ("#### 3:2", "3", 0.0), ("#### 4 hours and 30 minutes", "4", 0.0),
+    ("#### 1 hour 30 minutes", "1", 0.0), ("#### 4 hours, 30 minutes", "4", 0.0), ("#### 5 or 6", "5", 0.0),
+    ("#### 5 and 7", "5", 0.0), ("#### 5 to 7", "5", 0.0), ("#### 12 in 3 boxes", "12", 1.0),
+    ("#### 3 boxes of 12", "3", 1.0), ("#### 18 and", "18", 1.0), ("#### 72 dollars.", "72", 1.0),
+    # no marker: a last number under a root, a power or a symbol's bar, or a coefficient, is no answer
+    ("the final answer is $2\\sqrt{3}$", "3", 0.0), ("the answer is \\sqrt 3", "3", 0.0),
+    ("the answer is 2^{10}", "10", 0.0), ("so it is 3x", "3", 0.0), ("so it is 3\\pi", "3", 0.0),
+    ("it is \\pi/2", "2", 0.0), ("v = 3i + 4j", "4", 0.0), ("f(x) = 4^x", "4", 0.0),
+    ("The answer is \\(72\\).", "72", 1.0), ("The answer is **72**.", "72", 1.0), ("answer is (72)", "72", 1.0),
+    ("it is 10am", "10", 1.0), ("so she has 72 apples.", "72", 1.0), ("the answer is 5\\text{ cm}", "5", 1.0),
 ])
 def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
@@ -1748,6 +1759,8 @@ def test_rewards_of_degenerate_completions_take_linear_time():
         assert format_reward("#" * 200_000 + " 5", "5") == 1.0  # (the last "####" before the blanks marks the 5)
         assert answer_reward("\U0001F600" + "\\frac12 " * 25_000, "1/2") == 1.0
         assert answer_reward("72", "\U0001F600" + "\\frac{x+1}{2x}" * 14_000) == 0.0
+        assert answer_reward(("^ {" + " " * 1000 + "x") * 200 + "5", "5") == 1.0  # (blank runs after powers)
+        assert answer_reward("#### 5" + " " * 200_000 + "hours", "5") == 1.0
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, saved)
@@ -1871,6 +1884,26 @@ def test_lora_targets_any_layer_peft_adapts():
     for targets in ("c_attn,c_atn", "q_proj"):
         with pytest.raises(UserError, match="no layer is named (c_atn|q_proj); this model's include c_attn"):
             apply_lora(gpt2(), Args(lora_r=4, lora_target_modules=targets))
+
+
+def test_an_adapter_as_large_as_its_layer_gets_a_note():
+    """r (in + out) >= in x out: the adapter holds as many weights as full fine-tuning of the layer would train. GPT-2
+    at width 32: c_attn is 32 -> 96 (r >= 32 x 96 / 128 = 24), attn.c_proj 32 -> 32 (r >= 32 x 32 / 64 = 16)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grpo import Args, apply_lora, oversized_lora_note
+
+    def adapted(rank):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0,
+                                           eos_token_id=0))
+        return apply_lora(model, Args(lora_r=rank, lora_target_modules="c_attn,attn.c_proj"))
+
+    assert oversized_lora_note(adapted(15), 15) is None
+    note = oversized_lora_note(adapted(16), 16)
+    assert "with --lora-r 16, 1 adapters" in note and "transformer.h.0.attn.c_proj, in 32, out 32" in note
+    assert "--lora-r 15 or less" in note
+    note = oversized_lora_note(adapted(24), 24)
+    assert "2 adapters" in note and "attn.c_proj, in 32, out 32" in note  # (the smallest layer is named)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -551,6 +551,19 @@ def test_lora_trains_only_adapters_and_the_head():
     assert not hasattr(full.backbone, "lm_head") and type(full.backbone).__name__ == "LlamaModel"
 
 
+def test_an_adapter_as_large_as_its_layer_gets_a_note(tmp_path):
+    """The tiny backbone's attention projections are 64 -> 64: from rank 32, 64 r + 64 r >= 64 x 64, and an adapter
+    trains as many weights as the layer holds; its MLP's 64 -> 256 and 256 -> 64 only from 52 (64 x 256 / 320 =
+    51.2)."""
+    model, _ = prm.build_prm(prm.Args(lora_r=31), torch.float32)
+    assert prm.oversized_lora_note(model.backbone, 31) is None
+    layers = model.backbone.get_base_model().config.num_hidden_layers
+    process = run_prm("--lora-r", "32", "--output-dir", str(tmp_path / "run"), *QUICK)
+    assert (f"note: with --lora-r 32, {4 * layers} adapters hold at least as many weights as the layer they adapt"
+            in process.stdout)
+    assert "in 64, out 64); pass --lora-r 31 or less" in process.stdout
+
+
 def test_scores_do_not_depend_on_batching():
     torch.manual_seed(0)
     model, _ = prm.build_prm(prm.Args(), torch.float32)
