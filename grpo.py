@@ -697,17 +697,19 @@ _GLUED_ALGEBRA = (r"(?!(?:" + _GLUED_UNIT + r"|(?:[kcm]?m|ft|yd|mi)(?:\^\{?[23]\
                   r"[A-Za-z]")
 # the first number after a #### is no answer when it is part of an expression: followed by an operator, a power, a
 # root, a LaTeX command, a digit (5², 2½, 3,5), a colon before a digit (10:30, 3:2), glued algebra, a scale (5
-# million), a product (5 x 3), or a second number that a word, "and", "or" or "to" joins to it (4 hours and 30
-# minutes, 1 hour 30 minutes, 5 or 6, 5 to 7); or after a sign, an operator or a command (- 5, \pm 5, (1, 2),
-# \sqrt{2}). A dash before a word of 3 or more letters, or ending the line, is prose ("#### 72 - the total"); "72
-# dollars", "12 in 3 boxes", "72m^2", "**72**", "x = 72" and "72 = 8 * 9" state 72
+# million), a product (5 x 3, 5 times 3, 72 divided by 8), a fraction in words (8 and a half), or a second number
+# that a word, "and", "or" or "to" joins to it (4 hours and 30 minutes, 1 hour 30 minutes, 5 or 6, 5 to 7); or after
+# a sign, an operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). A dash before a word of 3 or more letters, or
+# ending the line, is prose ("#### 72 - the total"); "72 dollars", "3 times", "12 in 3 boxes", "72m^2", "**72**",
+# "x = 72" and "72 = 8 * 9" state 72
 _CONTINUES_EXPRESSION = re.compile(
     r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/+\u00d7\u00b7\u00f7\u00b1\u221a\u221b\u03c0\u22c5\u2219\u2010\u2011]"
     r"|-(?!-*[ \t]*(?:$|(?!(?i:sin|cos|tan|cot|sec|csc|log|exp|sqrt))[A-Za-z]{3}))|\*\*?[ \t]*[\d(\\]"
     r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.:]\d)|" + _GLUED_ALGEBRA +
     r"|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")"
-    r"|[ \t]+(?:(?:and|or|to|&)[ \t]+|(?!(?:in|of|for|per|each|on|at|by|with|from|after|over|every)\b)"
-    r"[A-Za-z]+\.?,?[ \t]+(?:(?:and|&)[ \t]+)?)[-+]?\.?\d")
+    r"|[ \t]+(?:(?:and|or|to|&|(?i:times|plus|minus|over|(?:divided|multiplied)[ \t]+by))[ \t]+"
+    r"|(?!(?:in|of|for|per|each|on|at|by|with|from|after|over|every)\b)[A-Za-z]+\.?,?[ \t]+(?:(?:and|&)[ \t]+)?)"
+    r"[-+]?\.?\d|[ \t]+and[ \t]+(?:a|one)[ \t]+(?:half|third|quarter)\b")
 # (a dash after a word is a label's: "#### Answer - 72"; \quad and \approx lead to the number as a space or "=" would)
 _AFTER_OPERATOR = re.compile(r"(?:(?<![A-Za-z]{3}[ \t])-|[+\u00b1(\[{^_/\u00d7\u00b7\u221a\u221b\u22c5\u2219]|(?<!\*)\*"
                              r"|\\(?!(?:q?quad|approx)\b)[A-Za-z]+)[ \t]*$")

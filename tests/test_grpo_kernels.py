@@ -1620,11 +1620,13 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("#### \u2013 72", "72", 1.0), ("#### \u2013 72", "-72", 0.0), ("The answer is \u201372", "-72", 1.0),
     ("#### Answer - 72", "72", 1.0), ("#### \\approx 72", "72", 1.0), ("#### 72 = 8 * 9", "72", 1.0),
     ("#### 72 -", "72", 1.0), ("#### 72h", "72", 1.0),
-    # a time, a ratio or a quantity in two numbers is no first number; a preposition's number is a detail
+    # a time, a ratio, a product or a quantity in two numbers is no first number; a preposition's is a detail
     ("#### 10:30", "10", 0.0), ("#### 3:2", "3", 0.0), ("#### 4 hours and 30 minutes", "4", 0.0),
     ("#### 1 hour 30 minutes", "1", 0.0), ("#### 4 hours, 30 minutes", "4", 0.0), ("#### 5 or 6", "5", 0.0),
     ("#### 5 and 7", "5", 0.0), ("#### 5 to 7", "5", 0.0), ("#### 12 in 3 boxes", "12", 1.0),
     ("#### 3 boxes of 12", "3", 1.0), ("#### 18 and", "18", 1.0), ("#### 72 dollars.", "72", 1.0),
+    ("#### 8 and a half", "8", 0.0), ("#### 3 times 4", "3", 0.0), ("#### 72 divided by 8", "72", 0.0),
+    ("#### 3 times", "3", 1.0), ("#### 3 times a week", "3", 1.0), ("#### 12 (6 + 6)", "12", 1.0),
     # no marker: a last number under a root, a power or a symbol's bar, or a coefficient, is no answer
     ("the final answer is $2\\sqrt{3}$", "3", 0.0), ("the answer is \\sqrt 3", "3", 0.0),
     ("the answer is 2^{10}", "10", 0.0), ("so it is 3x", "3", 0.0), ("so it is 3\\pi", "3", 0.0),
