@@ -691,25 +691,31 @@ def last_boxed(text: str) -> Optional[tuple[str, int]]:
 _SCALE = (r"(?i:hundred|thousand|dozen|[mb]illion|trillion|quadrillion|bn|mn)(?:th)?s?\b"
           r"|[kKMB](?=[ \t]*(?:$|[,;!?)]|\.[ \t]*$))")
 # units written glued to a number (72km, 3rd, 10am); any other glued letters are algebra (2x, 2xy, 2pi, 2sin(x))
-_GLUED_UNIT = r"(?:[kcm]?m|[km]?g|m?[lL]|lbs?|oz|ft|yd|mi|mph|kph|min|mins|hrs?|sec|secs|[ap]m|st|nd|rd|th|[kMG]B|h|s)"
+_GLUED_UNIT = (r"(?:[kcm]?m|[km]?g|m?[lL]|lbs?|oz|ft|in|yd|mi|mph|kph|min|mins|hrs?|sec|secs|[aApP][mM]|st|nd|rd|th"
+               r"|[kMG]B|h|s)")
+# a unit word that a second quantity may follow, as in 4 hours and 30 minutes, 5 ft 6 in, 2h 45m, 18 dollars 50 cents
+_QUANTITY_UNIT = (r"(?i:hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s|days?|weeks?|months?|years?|yrs?|feet|foot|ft"
+                  r"|inch(?:es)?|in|yards?|yd|miles?|mi|meters?|metres?|km|cm|mm|pounds?|lbs?|oz|ounces?|kg|g"
+                  r"|dollars?|cents?)\b")
 # glued letters other than a unit (2x, 2xy, 2pi, 3i; not 72km nor 5m^2) make a number a coefficient
 _GLUED_ALGEBRA = (r"(?!(?:" + _GLUED_UNIT + r"|(?:[kcm]?m|ft|yd|mi)(?:\^\{?[23]\}?|[\u00b2\u00b3]))(?![\w^(_{]))"
                   r"[A-Za-z]")
 # the first number after a #### is no answer when it is part of an expression: followed by an operator, a power, a
-# root, a LaTeX command, a digit (5², 2½, 3,5), a colon before a digit (10:30, 3:2), glued algebra, a scale (5
-# million), a product (5 x 3, 5 times 3, 72 divided by 8), a fraction in words (8 and a half), or a second number
-# that a word, "and", "or" or "to" joins to it (4 hours and 30 minutes, 1 hour 30 minutes, 5 or 6, 5 to 7); or after
-# a sign, an operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). A dash before a word of 3 or more letters, or
-# ending the line, is prose ("#### 72 - the total"); "72 dollars", "3 times", "12 in 3 boxes", "72m^2", "**72**",
-# "x = 72" and "72 = 8 * 9" state 72
+# root, a LaTeX command, a digit (5², 2½, 3,5), a colon or em dash before a digit (10:30, 3:2, 4—6), glued algebra,
+# a scale (5 million), a product (5 x 3, 5 times 3, 72 divided by 8), a fraction in words (8 and a half), a second
+# number after "and" or "to" (5 and 7, 16 to 18), or a quantity in two units (4 hours and 30 minutes, 5 ft 6 in); or
+# after a sign, an operator or a command (- 5, \pm 5, (1, 2), \sqrt{2}). A dash before a word of 3 or more letters,
+# or ending the line, is prose ("#### 72 - the total"); "72 dollars", "3 times", "12 in 3 boxes", "72m^2", "**72**",
+# "x = 72", "72 = 8 * 9", "18 because 9 x 2 = 18", "18 dollars, 2 more than yesterday" and "3/8 or 0.375" state
+# the first number (an alternative after "or" gains nothing: only the first is read)
 _CONTINUES_EXPRESSION = re.compile(
     r"[ \t]*(?:\\(?!boxed\{)|[\^_{\[/+\u00d7\u00b7\u00f7\u00b1\u221a\u221b\u03c0\u22c5\u2219\u2010\u2011]"
     r"|-(?!-*[ \t]*(?:$|(?!(?i:sin|cos|tan|cot|sec|csc|log|exp|sqrt))[A-Za-z]{3}))|\*\*?[ \t]*[\d(\\]"
-    r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.:]\d)|" + _GLUED_ALGEBRA +
+    r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.:\u2014]\d)|" + _GLUED_ALGEBRA +
     r"|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")"
-    r"|[ \t]+(?:(?:and|or|to|&|(?i:times|plus|minus|over|(?:divided|multiplied)[ \t]+by))[ \t]+"
-    r"|(?!(?:in|of|for|per|each|on|at|by|with|from|after|over|every)\b)[A-Za-z]+\.?,?[ \t]+(?:(?:and|&)[ \t]+)?)"
-    r"[-+]?\.?\d|[ \t]+and[ \t]+(?:a|one)[ \t]+(?:half|third|quarter)\b")
+    r"|[ \t]+(?:and|to|&|(?i:times|plus|minus|over|(?:divided|multiplied)[ \t]+by))[ \t]+[-+]?\.?\d"
+    r"|[ \t]*" + _QUANTITY_UNIT + r",?[ \t]+(?:(?:and|&)[ \t]+)?\d+(?:\.\d+)?[ \t]*" + _QUANTITY_UNIT +
+    r"|[ \t]+(?:[A-Za-z]+[ \t]+)?and[ \t]+(?:a|one)[ \t]+(?:half|third|quarter)\b")
 # (a dash after a word is a label's: "#### Answer - 72"; \quad and \approx lead to the number as a space or "=" would)
 _AFTER_OPERATOR = re.compile(r"(?:(?<![A-Za-z]{3}[ \t])-|[+\u00b1(\[{^_/\u00d7\u00b7\u221a\u221b\u22c5\u2219]|(?<!\*)\*"
                              r"|\\(?!(?:q?quad|approx)\b)[A-Za-z]+)[ \t]*$")
@@ -732,11 +738,18 @@ def marked_number(marked: str) -> Optional[str]:
     return None
 
 
-# a completion's last number is no answer when it is under a root, an exponent or a subscript, divides a symbol
-# (\pi/2), follows a product or a function, or is a coefficient (3x, 3\pi, 2\sqrt{3}, 4^x)
-_ROOT_OR_POWER_BEFORE = re.compile(r"(?:[\^_/\u221a\u221b]|\\sqrt(?:\[\d\])?"
+# a completion's last number is no answer when it is under a root, an exponent or a subscript (x_1, not Markdown's
+# _18_), divides a symbol (\pi/2) or is a second argument (the 2 of \frac{\sqrt{3}}{2}, whose numerator
+# normalise_math leaves as it is), follows a product or a function, or is a coefficient: glued to one or two letters
+# that are no unit or to a function (3x, 2xy, 3i, 2pi, 2sin; 18days and 8PM are units), or before \pi, a root or a
+# power (3\pi, 2\sqrt{3}, 4^x)
+_ROOT_OR_POWER_BEFORE = re.compile(r"(?:[\^/\u221a\u221b]|(?<=[A-Za-z}\]])_|\\sqrt(?:\[\d\])?|\}(?=\{)"
                                    r"|\\(?:cdot|times|div|pm|mp|log|ln|sin|cos|tan)\b)[ \t]*(?:\{[ \t]*)?$")
-_ALGEBRA_AFTER = re.compile(_GLUED_ALGEBRA + r"|[ \t]*(?:\\(?:pi|sqrt|cdot|times|div|pm|mp)\b|[\^\u03c0\u221a])")
+# the power of a unit after a number: 49 cm^2, 49m^{2}, 49\text{ cm}^2, 8 units^3
+_UNIT_POWER = re.compile(r"(?<=\d)([ \t]*(?:\\text\{[ \t]*)?(?:[kcm]?m|ft|in|yd|mi|units?)[ \t]*\}?)[ \t]*\^[ \t]*"
+                         r"(?:[23]|\{[23]\})")
+_ALGEBRA_AFTER = re.compile(r"(?!" + _GLUED_UNIT + r"(?![A-Za-z]))(?:[a-z]{1,2}|sin|cos|tan|log|exp|sqrt)(?![A-Za-z])"
+                            r"|\^|[ \t]*(?:\\(?:pi|sqrt|cdot|times|div|pm|mp)\b|[\u03c0\u221a])")
 
 
 def final_answer(completion: str) -> Optional[str]:
@@ -756,6 +769,7 @@ def final_answer(completion: str) -> Optional[str]:
     boxed = last_boxed(completion)
     if boxed is not None:
         return boxed[0]
+    completion = _UNIT_POWER.sub(r"\1", completion)  # (the 2 of "49 cm^2" is no answer, and no power of 49's)
     numbers = list(_NUMBER.finditer(completion))
     if not numbers or _ROOT_OR_POWER_BEFORE.search(completion, 0, numbers[-1].start()) or _ALGEBRA_AFTER.match(
             completion, numbers[-1].end()):
