@@ -1666,6 +1666,31 @@ def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: dict
     shutil.rmtree(path + ".old", ignore_errors=True)
 
 
+def load_saved_weights(model, directory: str) -> tuple[list[str], list[str]]:
+    """The model.safetensors that save_pretrained wrote in directory, into model in place: the names of the weights
+    that did not fit, (missing, unexpected); weights of other shapes raise load_state_dict's RuntimeError.
+    save_pretrained writes some architectures' weights under their hub names (GPT-NeoX's lm_head as embed_out, a
+    mixture of experts' fused weights one expert at a time, Gemma 3's language model under another prefix); those are
+    read through transformers' loader, which maps them back (it builds a second copy of the model, so only for
+    them)."""
+    from safetensors.torch import load_file
+
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(
+        dict(model.named_parameters()))  # tied weights are saved once
+    missing, unexpected = model.load_state_dict(load_file(os.path.join(directory, "model.safetensors")), strict=False)
+    as_named = sorted(set(missing) - tied), list(unexpected)
+    if not any(as_named):
+        return as_named
+    with open(os.path.join(directory, "config.json")) as f:
+        if json.load(f).get("model_type") != model.config.model_type:  # another architecture's weights
+            return as_named
+    saved, report = type(model).from_pretrained(directory, dtype=model.dtype, output_loading_info=True)
+    if any(report[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")):
+        return as_named
+    missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
+    return sorted(set(missing) - tied), list(unexpected)
+
+
 def checkpoint_steps(output_dir: str) -> list[int]:
     """Steps of the complete checkpoints in output_dir, oldest first (a *.tmp left by a crash is not one)."""
     if not os.path.isdir(output_dir):
@@ -1972,19 +1997,17 @@ def train(args: Args) -> dict:
             # identical policy's; a KL gradient of pure rounding noise that AdamW would turn into full-size steps
             reference = copy.deepcopy(model).eval()
         if resume_path:
-            from safetensors.torch import load_file
-
             try:
-                weights = load_file(os.path.join(resume_path, "model.safetensors"))
-            except (OSError, SafetensorError) as error:  # missing, or cut short by a copy
-                raise UserError(f"--resume-from {resume_path}: cannot read its model.safetensors ({error}); resume "
-                                "from another checkpoint") from None
-            missing, unexpected = model.load_state_dict(weights, strict=False)
-            tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(
-                dict(model.named_parameters()))  # tied weights are saved once
-            if unexpected or set(missing) - tied:
+                missing, unexpected = load_saved_weights(model, resume_path)
+            except (OSError, ValueError, SafetensorError) as error:  # missing, or cut short by a copy
+                raise UserError(f"--resume-from {resume_path}: cannot read its model.safetensors or config.json "
+                                f"({error}); resume from another checkpoint") from None
+            except RuntimeError as error:  # weights of other shapes
                 raise UserError(f"--resume-from {resume_path}: its weights do not fit {args.model} "
-                                f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
+                                f"({str(error).strip().splitlines()[-1].strip()})") from None
+            if missing or unexpected:
+                raise UserError(f"--resume-from {resume_path}: its weights do not fit {args.model} "
+                                f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     # after peft has wrapped the model, so that its adapters' dropout goes too; use_cache is off for gradient
     # checkpointing in training, and on for whoever loads the saved model and generates
     saved_config = {**disable_dropout(model), "use_cache": True}

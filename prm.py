@@ -1341,6 +1341,30 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     return path
 
 
+def load_saved_weights(model, directory: str) -> tuple[list[str], list[str]]:
+    """The model.safetensors that save_pretrained wrote in directory, into model in place: the names of the weights
+    that did not fit, (missing, unexpected); weights of other shapes raise load_state_dict's RuntimeError.
+    save_pretrained writes some architectures' weights under their hub names (a mixture of experts' fused weights one
+    expert at a time, for one); those are read through transformers' loader, which maps them back (it builds a second
+    copy of the backbone, so only for them)."""
+    from safetensors.torch import load_file
+
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(
+        dict(model.named_parameters()))  # tied weights are saved once
+    missing, unexpected = model.load_state_dict(load_file(os.path.join(directory, "model.safetensors")), strict=False)
+    as_named = sorted(set(missing) - tied), list(unexpected)
+    if not any(as_named):
+        return as_named
+    with open(os.path.join(directory, "config.json")) as f:
+        if json.load(f).get("model_type") != model.config.model_type:  # another architecture's weights
+            return as_named
+    saved, report = type(model).from_pretrained(directory, dtype=model.dtype, output_loading_info=True)
+    if any(report[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")):
+        return as_named
+    missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
+    return sorted(set(missing) - tied), list(unexpected)
+
+
 def load_checkpoint_weights(prm: ProcessRewardModel, path: str, model_name: str) -> None:
     """The backbone (or its LoRA adapter) and the head of a checkpoint, into a freshly built PRM; weights that do
     not fit it (a checkpoint of another model) are an error. safetensors only: no pickle is ever run."""
@@ -1355,10 +1379,7 @@ def load_checkpoint_weights(prm: ProcessRewardModel, path: str, model_name: str)
             missing = [name for name in result.missing_keys if "lora_" in name]  # base weights are not in it
             unexpected = list(result.unexpected_keys)
         else:
-            result = prm.backbone.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
-            tied = {name for name, _ in prm.backbone.named_parameters(remove_duplicate=False)} - set(
-                dict(prm.backbone.named_parameters()))  # tied weights are saved once
-            missing, unexpected = sorted(set(result.missing_keys) - tied), list(result.unexpected_keys)
+            missing, unexpected = load_saved_weights(prm.backbone, path)
         prm.head.load_state_dict(load_file(os.path.join(path, "reward_head.safetensors")))
     except (OSError, RuntimeError, ValueError, SafetensorError) as error:  # missing file, shape mismatch, corrupt
         raise UserError(f"--resume-from {path}: its weights do not load into {model_name} "

@@ -1315,3 +1315,31 @@ def test_a_save_killed_while_deleting_the_old_version_leaves_the_new_one_under_i
     monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     save(3)  # a later save at the same name cleans up
     assert step_of() == 3 and not (tmp_path / "final.old").exists()
+
+
+def test_weights_saved_under_hub_names_load_back(tmp_path):
+    """save_pretrained writes GPT-NeoX's lm_head as embed_out and Mixtral's fused experts one expert at a time: read
+    by their names alone, a full fine-tuning checkpoint of either did not fit its own model on --resume-from."""
+    from safetensors.torch import load_file
+    from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                              MixtralForCausalLM)
+
+    small = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    mixtral = MixtralConfig(**small, num_local_experts=2, num_experts_per_tok=1)
+    for model_class, config in ((GPTNeoXForCausalLM, GPTNeoXConfig(**small)), (MixtralForCausalLM, mixtral)):
+        torch.manual_seed(0)
+        saved = model_class(config)
+        saved.save_pretrained(tmp_path / config.model_type)
+        names = set(load_file(tmp_path / config.model_type / "model.safetensors"))
+        assert not names >= set(saved.state_dict())  # (stored under other names than the model's own)
+        torch.manual_seed(1)
+        model = model_class(config)
+        assert grpo.load_saved_weights(model, str(tmp_path / config.model_type)) == ([], [])
+        for name, weight in saved.state_dict().items():
+            assert torch.equal(model.state_dict()[name], weight), name
+    # another architecture's weights are named, not loaded; weights of other shapes are load_state_dict's error
+    missing, unexpected = grpo.load_saved_weights(LlamaForCausalLM(LlamaConfig(**small)), str(tmp_path / "gpt_neox"))
+    assert "lm_head.weight" in missing and "embed_out.weight" in unexpected
+    LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        grpo.load_saved_weights(LlamaForCausalLM(LlamaConfig(**{**small, "hidden_size": 32})), str(tmp_path / "llama"))
