@@ -923,6 +923,7 @@ def load_model_and_tokenizer(name_or_path: str, dtype: torch.dtype, trust_remote
     if tokenizer.eos_token_id is None:
         raise UserError(f"the tokenizer of {name_or_path} has no EOS token, so completions could never end")
     check_causal(model, name_or_path)
+    check_attention_cache(model, name_or_path)
     rows = model.get_input_embeddings().num_embeddings
     if tokenizer.eos_token_id >= rows:  # EOS is fed back in the training pass when a completion ends early
         raise UserError(f"the EOS id {tokenizer.eos_token_id} of {name_or_path}'s tokenizer is past the model's "
@@ -959,6 +960,24 @@ def check_causal(model, name: str) -> None:
         raise UserError(f"--model {name} is not causal: changing a sequence's last token changes the logits before "
                         "it, so the training pass would read each completion token from the ones after it; use a "
                         "decoder-only (causal LM) model")
+
+
+def check_attention_cache(model, name: str) -> None:
+    """The rollout keeps keys and values (a DynamicCache), copies each prompt's for its group and selects rows of it;
+    a model with state-space or linear-attention layers (Mamba, LFM2, Qwen3-Next, Granite 4.0-H) keeps a recurrent
+    state there instead, which that cache neither holds nor copies."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except (TypeError, ValueError, AttributeError):  # (a remote-code config it cannot read: the rollout will tell)
+        return
+    recurrent = sorted({type(layer).__name__ for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)})
+    if recurrent:
+        raise UserError(f"--model {name} ({type(model).__name__}) has state-space or linear-attention layers "
+                        f"({', '.join(recurrent)} in its cache), which grpo.py's key/value-cache rollout does not "
+                        "support; use a transformer (attention-only) model (prm.py trains on this one)")
 
 
 def disable_dropout(model: torch.nn.Module) -> dict:
@@ -1304,6 +1323,9 @@ def apply_lora(model, args: Args):
         model = get_peft_model(model, config)
     except NoMatchingPeftModuleError:
         unknown = target_modules
+    except ValueError as error:  # peft refuses some layers of some models (Mamba's out_proj and conv1d)
+        raise UserError(f"--lora-target-modules {targets}: peft cannot adapt them on {type(model).__name__} "
+                        f"({str(error).strip().splitlines()[0]}); pass --lora-target-modules without them") from None
     else:  # peft adapts the names that match and ignores the others: a typo would go unnoticed
         adapted = model.targeted_module_names
         unknown = [] if targets == "all-linear" else [
@@ -1402,8 +1424,13 @@ def make_reward_fns(args: Args, device, prompts: Optional[list[str]] = None) -> 
     if args.format_reward_weight:
         fns.append(("format", format_reward, args.format_reward_weight))
     if args.prm_path is not None:
-        import prm  # only imported when a PRM is asked for
-
+        try:  # only imported when a PRM is asked for
+            import prm
+        except ModuleNotFoundError as error:
+            if error.name != "prm":
+                raise
+            raise UserError("--prm-path loads the PRM with prm.py's load_prm: put prm.py beside grpo.py (with "
+                            "common.py)") from None
         try:
             process_reward_model = prm.load_prm(args.prm_path, device=device)
         except prm.UserError as error:  # another module's class: main() reports only this script's
@@ -1903,6 +1930,13 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
 
 def train(args: Args) -> dict:
     # ---- set-up: processes, device, dtype, output directory
+    # transformers' progress bars for writing and loading weights would break into the log's lines, and peft calls
+    # a property transformers has deprecated (a warning at every LoRA run that the user can do nothing about)
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    warnings.filterwarnings("ignore", message=re.escape("`is_gradient_checkpointing` is deprecated"),
+                            category=FutureWarning)
     # launched by torchrun with several processes, or with one under --fsdp (which needs a process group)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.fsdp and "WORLD_SIZE" in os.environ)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
@@ -2065,6 +2099,12 @@ def train(args: Args) -> dict:
     encoded_prompts = encode_prompts(tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template,
                                      args.max_prompt_length, where=places, system_prompt=args.system_prompt)
     longest = max(len(ids) for ids in encoded_prompts)
+    rows = model.get_input_embeddings().num_embeddings
+    past_rows = [index for index, ids in enumerate(encoded_prompts) if max(ids) >= rows]
+    if past_rows:  # (tokens added to the tokenizer without resizing the model: the embedding lookup would fail)
+        raise UserError(f"{places[past_rows[0]]}: the prompt holds token id {max(encoded_prompts[past_rows[0]])}, "
+                        f"past {args.model}'s {rows} embeddings ({len(past_rows)} prompts do): save the model after "
+                        "model.resize_token_embeddings(len(tokenizer))")
     # characters the tokenizer has no token for: the model sees one token for all of them (not counted where the
     # unknown token is also BOS or EOS, as GPT-2's <|endoftext|> is: a template puts those in every prompt)
     unknown_id = tokenizer.unk_token_id

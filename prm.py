@@ -868,6 +868,9 @@ def apply_lora(backbone, args: Args):
         backbone = get_peft_model(backbone, config)
     except NoMatchingPeftModuleError:
         unknown = target_modules
+    except ValueError as error:  # peft refuses some layers of some models (Mamba's out_proj and conv1d)
+        raise UserError(f"--lora-target-modules {targets}: peft cannot adapt them on {type(backbone).__name__} "
+                        f"({str(error).strip().splitlines()[0]}); pass --lora-target-modules without them") from None
     else:  # peft adapts the names that match and ignores the others: a typo would go unnoticed
         adapted = backbone.targeted_module_names
         unknown = [] if targets == "all-linear" else [
@@ -1765,6 +1768,13 @@ def score_file(args: Args) -> dict:
 
 def train(args: Args) -> dict:
     # ---- set-up: processes, device, dtype, output directory; every check comes before anything is written
+    # transformers' progress bars for writing and loading weights would break into the log's lines, and peft calls
+    # a property transformers has deprecated (a warning at every LoRA run that the user can do nothing about)
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    warnings.filterwarnings("ignore", message=re.escape("`is_gradient_checkpointing` is deprecated"),
+                            category=FutureWarning)
     # launched by torchrun with several processes, or with one under --fsdp (which needs a process group)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.fsdp and "WORLD_SIZE" in os.environ)
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -1904,6 +1914,13 @@ def train(args: Args) -> dict:
                                              args.max_length, score_places, unscorable)
     except ValueError as problem:
         raise UserError(f"{problem} (--skip-bad-rows skips such rows)") from None
+    rows_of_embeddings = prm.backbone.get_input_embeddings().num_embeddings
+    for examples, what in ((train_examples, "training"), (val_examples, "validation"), (eval_examples, "eval"),
+                           (examples_to_score, "scoring")):
+        largest = max((max(example["input_ids"]) for example in examples if example["input_ids"]), default=-1)
+        if largest >= rows_of_embeddings:  # (tokens added to the tokenizer without resizing the model)
+            raise UserError(f"the {what} rows hold token id {largest}, past {args.model}'s {rows_of_embeddings} "
+                            "embeddings: save the model after model.resize_token_embeddings(len(tokenizer))")
     if dropped_steps:
         print0(f"note: --max-length {args.max_length} dropped {dropped_steps} steps that did not fit whole, and "
                f"{dropped_rows} rows left with no step (held-out ones still count, unscored)", enabled=is_main)

@@ -1343,3 +1343,40 @@ def test_weights_saved_under_hub_names_load_back(tmp_path):
     LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path / "llama")
     with pytest.raises(RuntimeError, match="size mismatch"):
         grpo.load_saved_weights(LlamaForCausalLM(LlamaConfig(**{**small, "hidden_size": 32})), str(tmp_path / "llama"))
+
+
+def test_models_the_rollout_cannot_serve_are_one_line(tmp_path, capsys):
+    """A state-space model's cache holds a recurrent state, not keys and values: the rollout crashed with an
+    IndexError deep in transformers. Tokens added to a tokenizer without resizing the model crashed the embedding
+    lookup (IndexError). peft's refusal of some layers (Mamba's out_proj) was a traceback under --lora-r."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
+
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, state_size=4))
+    with pytest.raises(grpo.UserError, match=r"MambaForCausalLM\) has state-space or linear-attention layers"):
+        grpo.check_attention_cache(mamba, "mamba")
+    grpo.check_attention_cache(LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                                            num_attention_heads=2, intermediate_size=32)), "llama")
+    with pytest.raises(grpo.UserError, match="peft cannot adapt them on MambaForCausalLM .*out_proj"):
+        grpo.apply_lora(mamba, grpo.Args(lora_r=4))
+    tokenizer = grpo.build_tiny_tokenizer()
+    model = grpo.build_tiny_model(tokenizer)
+    model.resize_token_embeddings(len(tokenizer) - 3)  # the last three characters' ids have no row
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    code, err = run_main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"), *QUICK], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"past {tmp_path / 'model'}'s {len(tokenizer) - 3} embeddings" in err and "resize_token_embeddings" in err
+
+
+def test_prm_path_without_prm_py_beside_says_what_to_copy(tmp_path):
+    """grpo.py with common.py is meant to be copied on its own; --prm-path then needs prm.py too, which was a
+    ModuleNotFoundError traceback."""
+    for name in ("grpo.py", "common.py"):
+        shutil.copy(REPO_ROOT / name, tmp_path / name)
+    (tmp_path / "a-prm").mkdir()
+    process = subprocess.run([sys.executable, "grpo.py", "--prm-path", "a-prm", "--total-steps", "1", "--output-dir",
+                              "run"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 2, process.stderr[-2000:]
+    assert process.stderr.strip().splitlines()[-1] == ("error: --prm-path loads the PRM with prm.py's load_prm: put "
+                                                       "prm.py beside grpo.py (with common.py)")

@@ -1193,3 +1193,20 @@ def test_weights_saved_under_hub_names_load_back(tmp_path):
         assert torch.equal(backbone.state_dict()[name], weight), name
     missing, unexpected = prm.load_saved_weights(LlamaModel(LlamaConfig(**small)), str(tmp_path / "mixtral"))
     assert "layers.0.mlp.gate_proj.weight" in missing and unexpected  # another architecture: named, not loaded
+
+
+def test_token_ids_past_the_embeddings_and_layers_peft_refuses_are_one_line(tmp_path, capsys):
+    """Tokens added to a tokenizer without resizing the model crashed the embedding lookup (IndexError); peft's
+    refusal of some layers (Mamba's out_proj) was a traceback under --lora-r."""
+    from transformers import LlamaConfig, LlamaModel, MambaConfig, MambaModel
+
+    with pytest.raises(prm.UserError, match="peft cannot adapt them on MambaModel .*out_proj"):
+        prm.apply_lora(MambaModel(MambaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, state_size=4)),
+                       prm.Args(lora_r=4))
+    tokenizer = prm.build_tiny_tokenizer()
+    LlamaModel(LlamaConfig(vocab_size=len(tokenizer) - 3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    code, err = run_main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"), *QUICK], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"past {tmp_path / 'model'}'s {len(tokenizer) - 3} embeddings" in err and "resize_token_embeddings" in err
