@@ -52,7 +52,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from decimal import Decimal
 from fractions import Fraction
-from typing import Callable, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -69,9 +69,10 @@ class Args:
     """the name of this experiment (part of the run name)"""
     seed: int = 1
     """seed of the experiment: model init, prompt order and sampling all follow from it"""
-    output_dir: Optional[str] = None
-    """where metrics.jsonl, summary.json, checkpoints and final/ go (default: runs/{run_name}, or the folder of the
-    --resume-from checkpoint)"""
+    # (tyro would print "(default: None)" after the docstring's own default)
+    output_dir: Annotated[Optional[str], tyro.conf.arg(
+        help_behavior_hint="(default: runs/{run_name}, or the folder of the --resume-from checkpoint)")] = None
+    """where metrics.jsonl, summary.json, checkpoints and final/ go"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works; a failure to start is a warning, not a crash)"""
     wandb_project_name: str = "grpo"

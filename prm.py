@@ -56,7 +56,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import numpy as np
 import torch
@@ -74,9 +74,10 @@ class Args:
     """the name of this experiment (part of the run name)"""
     seed: int = 1
     """seed of the experiment: model init, built-in data and batch order all follow from it"""
-    output_dir: Optional[str] = None
-    """where metrics.jsonl, summary.json, checkpoints and final/ go (default: runs/{run_name}, or the folder of the
-    --resume-from checkpoint)"""
+    # (tyro would print "(default: None)" after the docstring's own default)
+    output_dir: Annotated[Optional[str], tyro.conf.arg(
+        help_behavior_hint="(default: runs/{run_name}, or the folder of the --resume-from checkpoint)")] = None
+    """where metrics.jsonl, summary.json, checkpoints and final/ go"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works; a failure to start is a warning, not a crash)"""
     wandb_project_name: str = "prm"
@@ -101,7 +102,8 @@ class Args:
     num_val_rows: int = 200
     """training rows held out (at most a tenth) to choose the eval's first-error threshold on (with --data-path: only
     when there is an --eval-data-path); 0 = a fixed 0.5"""
-    step_separator: str = "\n"
+    # (tyro would print the newline itself as the default)
+    step_separator: Annotated[str, tyro.conf.arg(help_behavior_hint="(default: '\\n', a newline)")] = "\n"
     """appended to every step, the last one included; the step's label sits on its last token"""
     max_length: int = 1024
     """most tokens per row: steps that do not fit whole are dropped (and counted)"""
