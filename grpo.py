@@ -692,12 +692,21 @@ def last_boxed(text: str) -> Optional[tuple[str, int]]:
 _SCALE = (r"(?i:hundred|thousand|dozen|[mb]illion|trillion|quadrillion|bn|mn)(?:th)?s?\b"
           r"|[kKMB](?=[ \t]*(?:$|[,;!?)]|\.[ \t]*$))")
 # units written glued to a number (72km, 3rd, 10am); any other glued letters are algebra (2x, 2xy, 2pi, 2sin(x))
-_GLUED_UNIT = (r"(?:[kcm]?m|[km]?g|m?[lL]|lbs?|oz|ft|in|yd|mi|mph|kph|min|mins|hrs?|sec|secs|[aApP][mM]|st|nd|rd|th"
-               r"|[kMG]B|h|s)")
-# a unit word that a second quantity may follow, as in 4 hours and 30 minutes, 5 ft 6 in, 2h 45m, 18 dollars 50 cents
-_QUANTITY_UNIT = (r"(?i:hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s|days?|weeks?|months?|years?|yrs?|feet|foot|ft"
-                  r"|inch(?:es)?|in|yards?|yd|miles?|mi|meters?|metres?|km|cm|mm|pounds?|lbs?|oz|ounces?|kg|g"
-                  r"|dollars?|cents?)\b")
+_GLUED_UNIT = (r"(?:[kcm]?m|[km]?g|m?[lL]|lbs?|oz|ft|in|yd|mi|mph|kph|min|mins|hrs?|sec|secs|ms|[aApP][mM]|st|nd|rd"
+               r"|th|[kMG]B|h|s|yrs?|yo|wks?|mos?|pts?|qts?|pcs?|ea)")
+# a quantity in two units, the second the next smaller and less than one of the first (4 hours and 30 minutes, 5 ft
+# 6 in, 2h 45m, 18 dollars 50 cents); not a restatement in another unit (2 hours, 120 minutes; 240 minutes, 4 hours)
+# nor two quantities (18 m and 2 s): (larger, smaller, amounts of the smaller below one larger)
+_TWO_UNITS = [("weeks?|wks?", "days?", "[0-6]"), ("days?", "hours?|hrs?|h", r"[01]?\d|2[0-3]"),
+              ("hours?|hrs?|h", "minutes?|mins?|m", r"[0-5]?\d"), ("minutes?|mins?", "seconds?|secs?|s", r"[0-5]?\d"),
+              ("years?|yrs?", "months?|mos?", r"1[01]|\d"), ("miles?|mi", "yards?|yd", r"\d{1,4}"),
+              ("yards?|yd", "feet|foot|ft", "[0-2]"), ("feet|foot|ft", "inch(?:es)?|in", r"1[01]|\d"),
+              ("km", "m|meters?|metres?", r"\d{1,3}"), ("m|meters?|metres?", "cm", r"\d{1,2}"),
+              ("pounds?|lbs?", "ounces?|oz", r"1[0-5]|\d"), ("kg", "g|grams?", r"\d{1,3}"),
+              ("dollars?", "cents?", r"\d{1,2}")]
+_QUANTITY_IN_TWO_UNITS = "|".join(
+    rf"(?i:{larger})\b,?[ \t]+(?:(?:and|&)[ \t]+)?(?:{amount})(?!\d)[ \t]*(?i:{smaller})\b"
+    for larger, smaller, amount in _TWO_UNITS)
 # glued letters other than a unit (2x, 2xy, 2pi, 3i; not 72km nor 5m^2) make a number a coefficient
 _GLUED_ALGEBRA = (r"(?!(?:" + _GLUED_UNIT + r"|(?:[kcm]?m|ft|yd|mi)(?:\^\{?[23]\}?|[\u00b2\u00b3]))(?![\w^(_{]))"
                   r"[A-Za-z]")
@@ -715,8 +724,9 @@ _CONTINUES_EXPRESSION = re.compile(
     r"|[\u00b2\u00b3\u00b9\u2070-\u2079\u00bc-\u00be\u2150-\u215e]|\d|[,.:\u2014]\d)|" + _GLUED_ALGEBRA +
     r"|[ \t]+(?:[xX][ \t]*[\d(]|(?i:squared|cubed|pi)\b|(?i:sqrt)|" + _SCALE + ")"
     r"|[ \t]+(?:and|to|&|(?i:times|plus|minus|over|(?:divided|multiplied)[ \t]+by))[ \t]+[-+]?\.?\d"
-    r"|[ \t]*" + _QUANTITY_UNIT + r",?[ \t]+(?:(?:and|&)[ \t]+)?\d+(?:\.\d+)?[ \t]*" + _QUANTITY_UNIT +
-    r"|[ \t]+(?:[A-Za-z]+[ \t]+)?and[ \t]+(?:a|one)[ \t]+(?:half|third|quarter)\b")
+    r"|[ \t]*(?:" + _QUANTITY_IN_TWO_UNITS + ")"
+    r"|[ \t]+(?:[A-Za-z]+[ \t]+)?and[ \t]+(?:a|an|one|two|three|four|five|six|seven|eight|nine)[ \t]+"
+    r"(?:halves|half|thirds?|quarters?|fourths?|fifths?|sixths?|sevenths?|eighths?|ninths?|tenths?)\b")
 # (a dash after a word is a label's: "#### Answer - 72"; \quad and \approx lead to the number as a space or "=" would)
 _AFTER_OPERATOR = re.compile(r"(?:(?<![A-Za-z]{3}[ \t])-|[+\u00b1(\[{^_/\u00d7\u00b7\u221a\u221b\u22c5\u2219]|(?<!\*)\*"
                              r"|\\(?!(?:q?quad|approx)\b)[A-Za-z]+)[ \t]*$")
@@ -740,11 +750,12 @@ def marked_number(marked: str) -> Optional[str]:
 
 
 # a completion's last number is no answer when it is under a root, an exponent or a subscript (x_1, not Markdown's
-# _18_), divides a symbol (\pi/2) or is a second argument (the 2 of \frac{\sqrt{3}}{2}, whose numerator
-# normalise_math leaves as it is), follows a product or a function, or is a coefficient: glued to one or two letters
-# that are no unit or to a function (3x, 2xy, 3i, 2pi, 2sin; 18days and 8PM are units), or before \pi, a root or a
-# power (3\pi, 2\sqrt{3}, 4^x)
-_ROOT_OR_POWER_BEFORE = re.compile(r"(?:[\^/\u221a\u221b]|(?<=[A-Za-z}\]])_|\\sqrt(?:\[\d\])?|\}(?=\{)"
+# _18_), after a "/" (\pi/2, 120 / 2) or a second argument (the 2 of \frac{\sqrt{3}}{2}, whose numerator
+# normalise_math leaves as it is), after a product (3 × 4, 3 * 4, not Markdown's *72*) or a function, or is a
+# coefficient: glued to one or two letters that are no unit or to a function (3x, 2xy, 3i, 2pi, 2sin; 18days and 8PM
+# are units), or before \pi, a root or a power (3\pi, 2\sqrt{3}, 4^x)
+_ROOT_OR_POWER_BEFORE = re.compile(r"(?:[\^/\u221a\u221b\u00d7\u00b7\u00f7\u22c5]|(?<=[\d)])[ \t]*\*|(?<=[A-Za-z}\]])_"
+                                   r"|\\sqrt(?:\[\d\])?|\}(?=\{)"
                                    r"|\\(?:cdot|times|div|pm|mp|log|ln|sin|cos|tan)\b)[ \t]*(?:\{[ \t]*)?$")
 # the power of a unit after a number: 49 cm^2, 49m^{2}, 49\text{ cm}^2, 8 units^3
 _UNIT_POWER = re.compile(r"(?<=\d)([ \t]*(?:\\text\{[ \t]*)?(?:[kcm]?m|ft|in|yd|mi|units?)[ \t]*\}?)[ \t]*\^[ \t]*"
@@ -756,9 +767,10 @@ _ALGEBRA_AFTER = re.compile(r"(?!" + _GLUED_UNIT + r"(?![A-Za-z]))(?:[a-z]{1,2}|
 def final_answer(completion: str) -> Optional[str]:
     """The answer a completion states (numbers normalised, \\frac{a}{b} read as a/b): after a final `####`, its first
     number (see marked_number), else the last \\boxed{} in that line, else the line's text; the content of the last
-    \\boxed{}; or else its last number, unless an expression holds it (see _ROOT_OR_POWER_BEFORE). A `####` counts
-    only on the completion's last line, as GSM8K writes it: a Markdown heading (`#### Step 2: ...`) followed by more
-    lines is no answer marker (its first number, 2, was read as the answer)."""
+    \\boxed{}; or else its last number, unless an expression holds it (_ROOT_OR_POWER_BEFORE, _ALGEBRA_AFTER; a unit's
+    power is no expression: _UNIT_POWER). A `####` counts only on the completion's last line, as GSM8K writes it: a
+    Markdown heading (`#### Step 2: ...`) followed by more lines is no answer marker (its first number, 2, was read
+    as the answer)."""
     completion = normalise_math(completion)
     marked = completion.split("####")[-1].strip() if "####" in completion else None
     if marked is not None and "\n" not in marked:
@@ -972,8 +984,8 @@ def check_attention_cache(model, name: str) -> None:
 
     try:
         layers = DynamicCache(config=model.config).layers
-    except (TypeError, ValueError, AttributeError):  # (a remote-code config it cannot read: the rollout will tell)
-        return
+    except (TypeError, ValueError, AttributeError, KeyError):  # a config it cannot read (a layer type of remote
+        return  # code's own): the rollout will tell
     recurrent = sorted({type(layer).__name__ for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)})
     if recurrent:
         raise UserError(f"--model {name} ({type(model).__name__}) has state-space or linear-attention layers "
@@ -1325,8 +1337,9 @@ def apply_lora(model, args: Args):
     except NoMatchingPeftModuleError:
         unknown = target_modules
     except ValueError as error:  # peft refuses some layers of some models (Mamba's out_proj and conv1d)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UserError(f"--lora-target-modules {targets}: peft cannot adapt them on {type(model).__name__} "
-                        f"({str(error).strip().splitlines()[0]}); pass --lora-target-modules without them") from None
+                        f"({reason}); pass --lora-target-modules without them") from None
     else:  # peft adapts the names that match and ignores the others: a typo would go unnoticed
         adapted = model.targeted_module_names
         unknown = [] if targets == "all-linear" else [
@@ -2038,8 +2051,9 @@ def train(args: Args) -> dict:
                 raise UserError(f"--resume-from {resume_path}: cannot read its model.safetensors or config.json "
                                 f"({error}); resume from another checkpoint") from None
             except RuntimeError as error:  # weights of other shapes
+                reason = (str(error).strip().splitlines() or [type(error).__name__])[-1].strip()
                 raise UserError(f"--resume-from {resume_path}: its weights do not fit {args.model} "
-                                f"({str(error).strip().splitlines()[-1].strip()})") from None
+                                f"({reason})") from None
             if missing or unexpected:
                 raise UserError(f"--resume-from {resume_path}: its weights do not fit {args.model} "
                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
@@ -2100,7 +2114,7 @@ def train(args: Args) -> dict:
     encoded_prompts = encode_prompts(tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template,
                                      args.max_prompt_length, where=places, system_prompt=args.system_prompt)
     longest = max(len(ids) for ids in encoded_prompts)
-    rows = model.get_input_embeddings().num_embeddings
+    rows = model.get_input_embeddings().weight.shape[0]  # (peft's LoRA on the embeddings has no num_embeddings)
     past_rows = [index for index, ids in enumerate(encoded_prompts) if max(ids) >= rows]
     if past_rows:  # (tokens added to the tokenizer without resizing the model: the embedding lookup would fail)
         raise UserError(f"{places[past_rows[0]]}: the prompt holds token id {max(encoded_prompts[past_rows[0]])}, "

@@ -871,8 +871,9 @@ def apply_lora(backbone, args: Args):
     except NoMatchingPeftModuleError:
         unknown = target_modules
     except ValueError as error:  # peft refuses some layers of some models (Mamba's out_proj and conv1d)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UserError(f"--lora-target-modules {targets}: peft cannot adapt them on {type(backbone).__name__} "
-                        f"({str(error).strip().splitlines()[0]}); pass --lora-target-modules without them") from None
+                        f"({reason}); pass --lora-target-modules without them") from None
     else:  # peft adapts the names that match and ignores the others: a typo would go unnoticed
         adapted = backbone.targeted_module_names
         unknown = [] if targets == "all-linear" else [
@@ -1916,7 +1917,8 @@ def train(args: Args) -> dict:
                                              args.max_length, score_places, unscorable)
     except ValueError as problem:
         raise UserError(f"{problem} (--skip-bad-rows skips such rows)") from None
-    rows_of_embeddings = prm.backbone.get_input_embeddings().num_embeddings
+    # (the weight's rows: peft's LoRA on the embeddings has no num_embeddings)
+    rows_of_embeddings = prm.backbone.get_input_embeddings().weight.shape[0]
     for examples, what in ((train_examples, "training"), (val_examples, "validation"), (eval_examples, "eval"),
                            (examples_to_score, "scoring")):
         largest = max((max(example["input_ids"]) for example in examples if example["input_ids"]), default=-1)

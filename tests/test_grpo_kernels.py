@@ -1622,7 +1622,7 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("#### 72 -", "72", 1.0), ("#### 72h", "72", 1.0),
     # a time, a ratio, a range, a product or a quantity in two units or numbers is no first number
     ("#### 10:30", "10", 0.0), ("#### 3:2", "3", 0.0), ("#### 4 hours and 30 minutes", "4", 0.0),
-    ("#### 1 hour 30 minutes", "1", 0.0), ("#### 4 hours, 30 minutes", "4", 0.0), ("#### 5 or 6", "6", 0.0),
+    ("#### 1 hour 30 minutes", "1", 0.0), ("#### 4 hours, 30 minutes", "4", 0.0),
     ("#### 5 and 7", "5", 0.0), ("#### 5 to 7", "5", 0.0), ("#### 12 in 3 boxes", "12", 1.0),
     ("#### 4\u20146", "4", 0.0), ("#### 2h 45m", "2", 0.0), ("#### 5 ft 6 in", "5", 0.0),
     ("#### 4 hours and a half", "4", 0.0),
@@ -1630,6 +1630,9 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("#### 18 because 9 x 2 = 18", "18", 1.0), ("#### 18 dollars. 9 eggs x 2 = 18", "18", 1.0),
     ("#### 18 dollars, 2 more than yesterday", "18", 1.0), ("#### 18 total, 9 each", "18", 1.0),
     ("#### 3/8 or 0.375", "0.375", 1.0), ("#### 1500 or 1,500", "1500", 1.0), ("#### 5 or 6", "5", 1.0),
+    ("#### 5 or 6", "6", 0.0), ("#### 2 hours, 120 minutes", "2", 1.0), ("#### 240 minutes, 4 hours", "240", 1.0),
+    ("#### 5 dollars, 500 cents", "5", 1.0), ("#### 18 m and 2 s", "18", 1.0), ("#### 12 in 2 days", "12", 1.0),
+    ("#### 9 and three quarters", "9", 0.0), ("#### 5 m 20 cm", "5", 0.0), ("#### 3 feet (36 inches)", "3", 1.0),
     ("#### 3 boxes of 12", "3", 1.0), ("#### 18 and", "18", 1.0), ("#### 72 dollars.", "72", 1.0),
     ("#### 8 and a half", "8", 0.0), ("#### 3 times 4", "3", 0.0), ("#### 72 divided by 8", "72", 0.0),
     ("#### 3 times", "3", 1.0), ("#### 3 times a week", "3", 1.0), ("#### 12 (6 + 6)", "12", 1.0),
@@ -1640,6 +1643,8 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 4
     ("The answer is \\(72\\).", "72", 1.0), ("The answer is **72**.", "72", 1.0), ("answer is (72)", "72", 1.0),
     ("it is 10am", "10", 1.0), ("so she has 72 apples.", "72", 1.0), ("the answer is 5\\text{ cm}", "5", 1.0),
     ("So $\\frac{\\sqrt{3}}{2}$.", "2", 0.0), ("the roots are x_1 and x_2", "2", 0.0),
+    ("The answer is 3 \u00d7 4", "4", 0.0), ("The answer is 3 * 4", "4", 0.0), ("The answer is *72*.", "72", 1.0),
+    ("He is 5yo.", "5", 1.0), ("It takes 100ms.", "100", 1.0), ("about 3pcs", "3", 1.0),
     # ... but a glued unit, Markdown emphasis or a unit's power is no expression
     ("The train arrives at 8PM.", "8", 1.0), ("It will take 18days.", "18", 1.0),
     ("The board is 18in long.", "18", 1.0), ("The answer is _18_.", "18", 1.0), ("The answer is __18__.", "18", 1.0),

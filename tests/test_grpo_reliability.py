@@ -1363,9 +1363,14 @@ def test_models_the_rollout_cannot_serve_are_one_line(tmp_path, capsys):
     model.resize_token_embeddings(len(tokenizer) - 3)  # the last three characters' ids have no row
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # (save_pretrained's progress bar)
     code, err = run_main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"), *QUICK], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert f"past {tmp_path / 'model'}'s {len(tokenizer) - 3} embeddings" in err and "resize_token_embeddings" in err
+    # LoRA on the embeddings wraps them in a layer without num_embeddings, which that check read: an AttributeError
+    code, err = run_main(["--output-dir", str(tmp_path / "lora"), *QUICK, "--lora-r", "4", "--lora-target-modules",
+                          "embed_tokens,q_proj"], capsys)
+    assert code == 0, err
 
 
 def test_prm_path_without_prm_py_beside_says_what_to_copy(tmp_path):

@@ -1207,6 +1207,11 @@ def test_token_ids_past_the_embeddings_and_layers_peft_refuses_are_one_line(tmp_
     LlamaModel(LlamaConfig(vocab_size=len(tokenizer) - 3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                            intermediate_size=32)).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # (save_pretrained's progress bar)
     code, err = run_main(["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"), *QUICK], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert f"past {tmp_path / 'model'}'s {len(tokenizer) - 3} embeddings" in err and "resize_token_embeddings" in err
+    # LoRA on the embeddings wraps them in a layer without num_embeddings, which that check read: an AttributeError
+    code, err = run_main(["--output-dir", str(tmp_path / "lora"), *QUICK, "--lora-r", "4", "--lora-target-modules",
+                          "embed_tokens,q_proj"], capsys)
+    assert code == 0, err
