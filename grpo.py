@@ -8,7 +8,8 @@ reference policy. No value model.
 Where this file departs from the paper, and why:
 1. Clipping is `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` for both signs of A, with separate low and high
    epsilons (DAPO, https://arxiv.org/abs/2503.14476) and an optional two-sided bound `delta` on r
-   (INTELLECT-2). Some trainers take `max` when A < 0, which removes the corrective gradient: not here.
+   (INTELLECT-2, https://arxiv.org/abs/2505.07291). Some trainers take `max` when A < 0, which removes the
+   corrective gradient: not here.
 2. The KL penalty is added to the per-token loss (the paper's form), estimated with k3 by default
    (http://joschu.net/blog/kl-approx.html); `--kl-coef 0` builds no reference model at all.
 3. Loss aggregation is explicit (`--loss-type`, see `grpo_loss`), and every normaliser is the count over the
@@ -19,8 +20,9 @@ Where this file departs from the paper, and why:
 5. Log-probs are computed at completion positions only, from logits divided by the sampling temperature, in
    fp32; the sampler's own log-probs are kept and their gap to the training log-probs is logged every step.
 6. Each prompt's completions are sampled from its own random stream, keyed by (seed, step, prompt index), with
-   the Gumbel-max trick: rollouts do not depend on how prompts are split across processes, and a resumed run
-   samples exactly what an uninterrupted one would.
+   the Gumbel-max trick: a prompt gets the same noise whichever process samples it (its tokens match up to the
+   rounding of logits computed in another batch shape), and a resumed run samples exactly what an uninterrupted one
+   would.
 
 Run it:
     python grpo.py                                     # tiny model, built-in task, CPU, about a minute
@@ -152,12 +154,13 @@ class Args:
     pull towards the near-uniform initial policy keeps sampling diverse enough to escape wrong answers)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator (k3 = exp(ref-logp) - (ref-logp) - 1, unbiased and always >= 0; averaged over samples,
-    its gradient is that of the forward KL(ref || pi), k2's that of KL(pi || ref), as TRL's use_bias_correction_kl:
-    see kl_penalty)"""
+    its gradient is that of the forward KL(ref || pi); k2's, and on-policy ratio-weighted k3's (--kl-ratio-weighted),
+    that of the reverse KL(pi || ref); k1's averages to 0, so that as a loss it regularises only ratio-weighted: see
+    kl_penalty)"""
     kl_ratio_weighted: bool = False
-    """multiply each token's KL (k1 or k3) by its ratio pi / pi_old (TRL 1.16's use_bias_correction_kl, its
-    default): an importance-weighted estimate of KL(pi || ref) from the sampler's tokens, whose gradient is k2's
-    on-policy"""
+    """multiply each token's KL (k1 or k3) by its ratio pi / pi_old (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556;
+    TRL 1.16's use_bias_correction_kl, on by default there): an importance-weighted estimate of KL(pi || ref) from
+    the sampler's tokens, whose gradient is k2's on-policy"""
     clip_eps_low: float = 0.2
     """PPO clip: the ratio is clipped below at 1 - clip_eps_low"""
     clip_eps_high: float = 0.2
@@ -284,13 +287,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html; the tokens
+    come from pi_old, which is pi on-policy: kl_ratio_weighted in grpo_loss corrects for the difference).
 
     With x = ref_logp - logp: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - x - 1 (unbiased and >= 0).
     As a loss term its gradient matters more than its value. Over samples of pi, k3's gradient (1 - e^x) grad logp
     averages to the gradient of the forward KL(pi_ref || pi), k2's (-x grad logp) to that of KL(pi || pi_ref)
-    (https://arxiv.org/abs/2505.17508). k3 is the GRPO paper's choice and TRL's and verl's default; TRL 1.16's
-    use_bias_correction_kl (on by default) multiplies it by the ratio pi / pi_old, which on-policy has k2's gradient.
+    (https://arxiv.org/abs/2505.17508); k1's (grad logp) averages to 0, as every score function does, so that k1
+    as a loss adds only noise. k3 is the GRPO paper's choice and TRL's and verl's default; multiplied by the ratio
+    pi / pi_old (DeepSeek-V3.2's correction, TRL 1.16's use_bias_correction_kl, on by default there) it has k2's
+    gradient on-policy.
     """
     log_ratio = ref_logp - logp
     if estimator == "k1":
@@ -328,8 +334,9 @@ def grpo_loss(
     (with `delta`, the unclipped term uses min(r, delta), INTELLECT-2's two-sided bound; with `kl_ratio_weighted`,
     KL is r * KL, r the token's unclipped ratio, as TRL's use_bias_correction_kl). importance_sampling="sequence"
     (GSPO) gives every token of sequence i the same r_i = exp(sum_t m_it (logp - old_logp)_it / sum_t m_it), so a
-    part must hold whole sequences. Aggregation, with m the
-    mask, N the number of sequences    and M the number of completion tokens over the whole batch:
+    part must hold whole sequences. Aggregation, with m the mask, N the number of sequences (every row of the
+    batch, fully masked ones included: a failed reward or a masked truncation adds 0, it does not renormalise) and
+    M the number of completion tokens over the whole batch:
         grpo:          (1/N) sum_i [ sum_t l_it m_it / sum_t m_it ]   (each sequence's token mean; empty rows add 0)
         bnpo, dapo:    sum_it l_it m_it / M                            (token mean over the batch)
         dr_grpo:       sum_it l_it m_it / (N * max_completion_length)  (a constant: no length bias)
@@ -339,10 +346,12 @@ def grpo_loss(
     (TRL's bnpo normalises by each micro-batch's own token count, which makes it depend on the split; here
     bnpo and dapo are the same split-invariant token mean.)
 
-    stats (detached, masked token means over this part): ratio_mean, clip_frac_low (A<0 and r < 1-eps_low:
-    the clip is active and the token gets no gradient), clip_frac_high (A>0 and r > 1+eps_high, or with delta
-    A<0 and r > delta: bounded above, no gradient either), pg_loss, kl_mean (with a reference only); plus `tokens`,
-    this part's token count, to weight them when combining parts.
+    stats (detached, masked token means over this part, whatever loss_type: loss = pg_loss + kl_coef * kl_mean for
+    bnpo and dapo only): ratio_mean, clip_frac_low (A<0 and r < 1-eps_low: the clip is active and the token gets
+    no policy gradient, its KL term still does), clip_frac_high (A>0 and r > 1+eps_high, or with delta A<0 and
+    r > delta: bounded above, no policy gradient either), pg_loss, kl_mean (with a reference only); plus `tokens`,
+    this part's token count, to weight them when combining parts. On-policy (old_logp = logp) r is 1, and both
+    clip fractions are 0.
     """
     # the arithmetic and the sums in fp32 at least, whatever the inputs' dtype: a bf16 mask counts 501 tokens as 500
     dtype = torch.promote_types(logp.dtype, torch.float32)
@@ -410,13 +419,15 @@ def grpo_loss(
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False, rows_per_chunk: int = 16, vocab_size: Optional[int] = None):
-    """log softmax(logits / T)[target] in fp32, a few rows at a time so that only a slice of the
-    [B, T, V] logits ever exists in fp32. Returns logp [B, T] and, if asked, the entropy [B, T] (no grad).
+    """log softmax(logits / T)[target] in fp32, a few rows at a time: without gradients (the reference and old
+    log-prob passes) only a slice of the [B, T, V] logits ever exists in fp32; with them, autograd keeps each
+    chunk's fp32 log-softmax for the backward, so all of them live until it runs. Returns logp [B, T] and, if asked,
+    the entropy [B, T] (no grad).
     vocab_size: the softmax covers only the first vocab_size logits (the tokenizer's ids, as the sampler does)."""
     logps, entropies = [], []
     for start in range(0, logits.shape[0], rows_per_chunk):
         chunk = logits[start:start + rows_per_chunk, :, :vocab_size].float()
-        if temperature != 1.0:  # else no [rows, T, V] copy (32k vocabulary: 16 MB less at peak for 16 x 8 tokens)
+        if temperature != 1.0:  # else no [rows, T, V] copy (32k vocabulary: 16 MB less per chunk of 16 x 8 tokens)
             chunk = chunk / temperature
         chunk_logp = torch.log_softmax(chunk, dim=-1)
         logps.append(chunk_logp.gather(-1, targets[start:start + rows_per_chunk].unsqueeze(-1)).squeeze(-1))
@@ -431,8 +442,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 # Task and data: the built-in task, JSONL prompts, rewards.
 
 # The built-in task: the last digit of N + 7 for a 3-digit N, e.g. "(358+7)%10=" -> "5". Its answers are checked
-# exactly, a constant answer scores 0.1, and every held-out prompt is a number never seen in training, so the
-# policy must learn to find N's units digit (a fixed offset back) and map it, rather than memorise prompts.
+# exactly, a constant answer is right one time in ten, and every held-out prompt is a number never seen in training,
+# so the policy must learn to find N's units digit (a fixed offset back) and map it, rather than memorise prompts.
 # (Two-operand versions such as (a+b)%10 need a 100-entry lookup that this tiny model does not find by RL
 # within a few minutes: the policy collapses on a constant answer first.)
 TINY_CHARS = list("0123456789+-*/%()= ")
@@ -1096,9 +1107,11 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     argmax(logits / T + Gumbel noise) is an exact sample, and the noise comes from each row group's own stream.
     Without generators decoding is greedy. Returns completion ids [B, T] (pad after EOS), the completion mask
     [B, T] (1 up to and including the first EOS), and the sampler's log-probs [B, T] of the chosen tokens under
-    softmax(logits / T) over the whole vocabulary (what the training pass computes; top-k/top-p only choose
-    which token is drawn). With group_size > 1, rows come in groups of identical prompts: each prompt is encoded
-    once and its KV cache copied to its group (a G-fold cheaper prefill, which dominates for long prompts).
+    softmax(logits / T) over all vocab_size ids, unfiltered (what the training pass computes; top-k/top-p only
+    choose which token is drawn: with them the ratio and the KL refer to the untruncated policy, not to the one that
+    drew the tokens, as in TRL and verl). With group_size > 1, rows come in groups of identical prompts: each prompt
+    is encoded once and its KV cache copied to its group (a G-fold cheaper prefill, which dominates for long
+    prompts).
     stop_together: decode until every process's rows have ended (under FSDP each forward is a collective).
     decode_forward: what to call for the one-token passes instead of model (model compiled: --compile-decoding).
     vocab_size: sample only the first vocab_size ids, those the tokenizer has. Checkpoints pad their output layer
@@ -1118,7 +1131,8 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     logits = model(input_ids=prompt_ids[unique], attention_mask=attention_mask[unique],
                    position_ids=position_ids[unique], cache=cache, use_cache=True,
                    logits_to_keep=1).logits[:, -1, :vocab_size]  # [U, V]
-    # (read from the second token on) else every token would be sampled without its context
+    # decoding reads this cache from the second token on: a model that did not fill it (a custom forward that ignores
+    # `cache`) would sample every later token without its prompt
     if max_new_tokens > 1 and cache.get_seq_length() != prompt_ids.shape[1]:
         import transformers
 
@@ -1232,7 +1246,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
 
 # Below this many skipped prompt positions per micro-batch, the extra forward call costs about what it saves: on 2
 # CPU cores and the 20.5M-parameter model, a training pass that skips 70 positions is no faster, one that skips 224
-# is 1.5x faster (the default tiny run skips 1,440 per step: 0.077 -> 0.039 s/step)
+# is 1.5x faster (the default tiny run's micro-batches skip 1,440 per step: its step went from 0.077 to 0.039 s)
 SHARE_PROMPTS_MIN_SKIPPED_POSITIONS = 128
 
 
@@ -1679,7 +1693,8 @@ def save_checkpoint(path: str, model, tokenizer, args: Args, trainer_state: dict
     """Write to a temporary directory, then rename: a crash mid-write leaves any previous version intact.
     saved_config: values config.json gets in place of the training-time ones (dropout rates, use_cache).
     state_dict: the gathered weights of a sharded model (FSDP), which the model cannot read itself.
-    base_model: an adapter's base that exists nowhere else (the tiny model), saved in base/ beside the adapter."""
+    base_model: an adapter's base that exists nowhere else (the tiny model), saved in base/ beside the adapter (final/
+    only: checkpoints are for resuming, which builds the base again)."""
     temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
     # one file, so that resuming can read it back whole
@@ -1905,7 +1920,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, "--clip-eps-low must be in [0, 1) (at 1 or more "
           "the lower bound 1 - eps clips no ratio, all being above 0) and --clip-eps-high >= 0")
     check(args.delta is None or args.delta > 1 + args.clip_eps_high,
-          f"--delta {args.delta} must be above 1 + --clip-eps-high, or the bound clips every positive ratio")
+          f"--delta {args.delta} must be above 1 + --clip-eps-high, or it caps the ratios of positive advantages "
+          "before PPO's own upper clip (INTELLECT-2 takes a delta well above 1 + eps, such as 4)")
     check(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
     check(args.kl_coef > 0 or not flags_set(args, "kl_estimator"), f"--kl-estimator {args.kl_estimator} with "
           "--kl-coef 0: there is no KL penalty to estimate; pass --kl-coef above 0, or drop --kl-estimator")
@@ -2073,7 +2089,8 @@ def train(args: Args) -> dict:
     model.train()
     # --compile-decoding: a compiled view of the same module (its weights, train/eval mode and adapters); dynamic,
     # since the KV cache grows by one position a call. The other passes stay eager: compiled too, they saved 2-3 ms
-    # more of the tiny model's 17 ms step, for 90 s of compiling, recompiled at each change of arguments or strides
+    # more per step of the tiny model (of 17 ms then), for 90 s of compiling, recompiled at each change of arguments
+    # or strides
     decode_forward = model
     if args.compile_decoding:
         # emulate_precision_casts (inductor's config, for this compile only): round each fused intermediate to bf16
@@ -2114,12 +2131,12 @@ def train(args: Args) -> dict:
     encoded_prompts = encode_prompts(tokenizer, [r["prompt"] for r in train_rows + eval_rows], args.chat_template,
                                      args.max_prompt_length, where=places, system_prompt=args.system_prompt)
     longest = max(len(ids) for ids in encoded_prompts)
-    rows = model.get_input_embeddings().weight.shape[0]  # (peft's LoRA on the embeddings has no num_embeddings)
-    past_rows = [index for index, ids in enumerate(encoded_prompts) if max(ids) >= rows]
+    num_embeddings = model.get_input_embeddings().weight.shape[0]  # (peft's LoRA embedding has no num_embeddings)
+    past_rows = [index for index, ids in enumerate(encoded_prompts) if max(ids) >= num_embeddings]
     if past_rows:  # (tokens added to the tokenizer without resizing the model: the embedding lookup would fail)
         raise UserError(f"{places[past_rows[0]]}: the prompt holds token id {max(encoded_prompts[past_rows[0]])}, "
-                        f"past {args.model}'s {rows} embeddings ({len(past_rows)} prompts do): save the model after "
-                        "model.resize_token_embeddings(len(tokenizer))")
+                        f"past {args.model}'s {num_embeddings} embeddings ({len(past_rows)} prompts do): save the "
+                        "model after model.resize_token_embeddings(len(tokenizer))")
     # characters the tokenizer has no token for: the model sees one token for all of them (not counted where the
     # unknown token is also BOS or EOS, as GPT-2's <|endoftext|> is: a template puts those in every prompt)
     unknown_id = tokenizer.unk_token_id
@@ -2427,7 +2444,7 @@ def train(args: Args) -> dict:
             if args.mask_truncated_completions:
                 loss_mask[truncated] = 0
             # a group's advantages are all 0 exactly when its (valid) rewards are all equal
-            zero_std_groups = (advantages.view(-1, args.group_size) == 0).all(dim=1).float().mean().item()
+            zero_std_group_count = float((advantages.view(-1, args.group_size) == 0).all(dim=1).sum())
 
             # 4. reference log-probs (no grad), and the rollout policy's ("old") of the minibatches after the first
             # (see step 5). Each minibatch is a run of whole groups: process r's prompts are r, r + W, ... (W
@@ -2611,7 +2628,7 @@ def train(args: Args) -> dict:
             sums.update({"reward/squares": rewards.double().pow(2).nansum().item(),
                          "reward_errors": float(failed.sum()), "logp_gap/sum": gap.sum().item(),
                          "logp_gap/count": float(n_generated), "completion_length/sum": float(n_generated),
-                         "truncated/sum": float(truncated.sum()), "zero_std_groups/sum": zero_std_groups * len(rows),
+                         "truncated/sum": float(truncated.sum()), "zero_std_groups/sum": zero_std_group_count,
                          "completions": float(local_batch), "groups": float(len(rows)),
                          "trained_tokens": float(loss_mask.sum()) * args.num_iterations})
             gap_max = gap.max().reshape(1)
