@@ -848,7 +848,7 @@ def format_reward(completion: str, answer: str) -> float:
     """1.0 when the completion states its answer cleanly: nothing but a number written canonically (no leading
     zeros: otherwise "07" games it), or a text that ends with `#### n` or with a non-empty \\boxed{...}, one closing
     `$`, `$$`, `\\)` or `\\]` and one full stop aside (`$\\boxed{5}$.`)."""
-    text = completion.strip()
+    text = completion.strip()  # (answer is unused: a reward's signature)
     ending = text.removesuffix(".").rstrip()  # the statement, one closing mark and full stop aside (no regex:
     for mark in ("$$", "$", "\\)", "\\]"):  # \s*(mark)?\s*\.?$ backtracks cubically on a long run of spaces)
         if ending.endswith(mark):
@@ -1623,7 +1623,7 @@ def step_flops(body: int, head: int, *, unique_prompt_tokens: int, reference_pro
     of the minibatches after the first (--num-minibatches above 1)."""
     def forward(prompt_tokens: int, completions: int = completion_tokens, rows: int = rows) -> int:
         return 2 * (body * (prompt_tokens + completions - rows) + head * completions)
-    rollout = 2 * body * (unique_prompt_tokens + completion_tokens - rows) + 2 * head * completion_tokens
+    rollout = forward(unique_prompt_tokens)
     update_passes = iterations * (3 if full_finetune else 2)
     return (rollout + int(reference) * forward(reference_prompt_tokens) + update_passes * forward(update_prompt_tokens)
             + forward(old_prompt_tokens, old_completion_tokens, old_rows))
