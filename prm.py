@@ -1,7 +1,8 @@
 """Process reward model (PRM) training and scoring for causal language models, in one file.
 
 A PRM gives every step of a solution a score: the probability that the solution is still correct after that
-step (Lightman et al. 2023, https://arxiv.org/abs/2305.20050; Math-Shepherd, https://arxiv.org/abs/2312.08935).
+step (Lightman et al. 2023, https://arxiv.org/abs/2305.20050; Math-Shepherd, https://arxiv.org/abs/2312.08935;
+with --loss-kind mse, a regression estimate of the label instead).
 Here it is a transformer backbone (no LM head) plus a scalar head read at the last token of each step's
 separator, trained on rows {"prompt", "completions": [step, ...], "labels": [0..1 per step]}.
 
@@ -100,8 +101,8 @@ class Args:
     num_eval_rows: int = 500
     """at most this many held-out rows are evaluated"""
     num_val_rows: int = 200
-    """training rows held out (at most a tenth) to choose the eval's first-error threshold on (with --data-path: only
-    when there is an --eval-data-path); 0 = a fixed 0.5"""
+    """rows used only to choose the eval's first-error threshold: from the built-in held-out pool, or with --data-path
+    (and an --eval-data-path) held out of the training file (at most a tenth); 0 = a fixed 0.5"""
     # (tyro would print the newline itself as the default)
     step_separator: Annotated[str, tyro.conf.arg(help_behavior_hint="(default: '\\n', a newline)")] = "\n"
     """appended to every step, the last one included; the step's label sits on its last token"""
@@ -201,15 +202,16 @@ class Args:
 
 
 def prm_loss(step_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, kind: str = "bce", *,
-             total_steps: Optional[float] = None) -> tuple[torch.Tensor, dict]:
+             num_labelled: Optional[float] = None) -> tuple[torch.Tensor, dict]:
     """Masked mean over real steps of the per-step loss. Shapes: step_logits, labels, mask [B, S], S = the most
     steps in the batch; mask 1 on real steps, 0 on padding (a row with no steps is all 0 and adds nothing).
 
         bce: -(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z)))   (y in [0, 1]: hard or soft labels)
         mse: (z - y)^2                                            (z, the raw head output, is the score)
 
-    loss = sum(l * mask) / N, N = the number of real steps. When this call sees only part of the batch (a
-    micro-batch, or one process's share), pass the whole batch's `total_steps` as N: the parts' losses then sum
+    loss = sum(l * mask) / N, N = the number of real (labelled) steps: a mean over steps, not over solutions, so a
+    10-step solution weighs ten times a 1-step one (as in TRL). When this call sees only part of the batch (a
+    micro-batch, or one process's share), pass the whole batch's count as num_labelled: the parts' losses then sum
     to the loss (and gradient) of the whole batch. Computed in fp32 whatever the input dtype.
     stats (detached, over this part): accuracy (score >= 0.5 agrees with label >= 0.5), score_mean, steps.
     """
@@ -224,7 +226,7 @@ def prm_loss(step_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
         scores = logits
     else:
         raise ValueError(f"kind must be bce or mse, got {kind!r}")
-    count = total_steps if total_steps is not None else mask.sum().item()
+    count = num_labelled if num_labelled is not None else mask.sum().item()
     loss = per_step.masked_fill(~mask, 0.0).sum() / max(count, 1.0)
     with torch.no_grad():
         local = mask.sum().clamp(min=1)
@@ -288,13 +290,13 @@ def first_error_f1(step_scores: list, step_labels: list, threshold: float) -> tu
 def choose_threshold(step_scores: list, step_labels: list) -> float:
     """The threshold with the best first-error F1 on these (validation) solutions, found exactly: F1 changes only
     where the threshold crosses a score, so the candidates are one below every score, the midpoints between
-    neighbouring distinct scores and one above every score (ties go to the lowest). One sweep upwards instead of
-    one first_error_f1 per candidate: a solution's predicted first error (its first step scoring below t) moves
-    only when t passes one of its running minima, from -1 to the lowest score's step, then to earlier record lows
-    and finally to step 0, so those records are the only events. 0.5 when there are no scores, a score is not
-    finite, or the solutions are not both erroneous and correct ones (F1 is then NaN at every threshold), and when
-    F1 is 0 at every threshold (no first error is ever found: the lowest candidate, one below every score, would
-    read as a threshold of probability below 0)."""
+    neighbouring distinct scores and one above every score (min - 1, max + 1; ties go to the lowest). One sweep
+    upwards instead of one first_error_f1 per candidate: a solution's predicted first error (its first step scoring
+    below t) moves only when t passes one of its running minima, from -1 to the lowest score's step, then to
+    earlier record lows and finally to step 0, so those records are the only events.
+    0.5 when there are no scores, a score is not finite, or the solutions are not both erroneous and correct ones
+    (F1 is then NaN at every threshold), and when F1 is 0 at every threshold (no threshold finds a first error while keeping a correct solution whole): argmax
+    would then return the lowest candidate, min - 1, meaningless as a probability."""
     flat = np.asarray([s for scores in step_scores for s in scores], dtype=float)
     truths = [first_below(labels, 0.5) for labels in step_labels]
     num_err = sum(truth >= 0 for truth in truths)
@@ -341,7 +343,8 @@ def position_baseline(train_labels: list, lengths: list[int]) -> list[list[float
 
 
 def aggregate_scores(scores: list[float], how: str) -> float:
-    """One number per solution from its step scores: min (Math-Shepherd), prod (Lightman), last or mean.
+    """One number per solution from its step scores: min (Math-Shepherd), prod (Lightman), last or mean (used by
+    grpo.py's PRM reward and by score_steps' callers, not in training).
     A solution with no scored step (e.g. all truncated away) gets 0.0, the score of a surely wrong step."""
     reducers = {"min": np.min, "prod": np.prod, "last": lambda values: values[-1], "mean": np.mean}
     if how not in reducers:
@@ -354,9 +357,11 @@ def aggregate_scores(scores: list[float], how: str) -> float:
 
 # The built-in task: a chain of steps over the values 0..4, each restating the previous result and applying a small
 # change. An injected error restates a wrong value (the step's own arithmetic stays right, and later steps carry on
-# consistently from it), so checking a step means comparing its first digit with the previous step's last, and a
-# later step is wrong only through an earlier one: a copy-and-compare a small transformer learns in a minute, where
-# step position alone predicts little. Most rows (p_error) hold an error, so every batch has mistakes to learn from.
+# consistently from it), so checking a step means comparing its first digit with the previous step's last (for the
+# first step, the prompt's start value), and a later step is wrong only through an earlier one: a copy-and-compare a
+# small transformer learns in a minute. Step position alone gives a fair step AUROC (about 0.7, the logged
+# position-only baseline) but locates the first error poorly (first-error F1 about 0.15): that F1 shows whether the
+# model reads the steps. Most rows (p_error) hold an error, so every batch has mistakes to learn from.
 #     prompt "start 3\n"  completions ["3+1=4", "4-2=2", "1+3=4", "4-1=3"]  labels [1, 1, 0, 0]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=%()., \n")
 TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -542,9 +547,10 @@ def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separato
     """The one tokenisation of training, evaluation and scoring: `[bos] prompt step1 sep step2 sep ...`.
 
     The prompt and each `step + sep` are tokenised as separate strings (no special tokens) and concatenated, so
-    no BPE merge crosses a step boundary: label_positions[k], the index of the last token of step k's
-    separator, always ends exactly there, and decoding input_ids[: label_positions[k] + 1] gives back the
-    prompt and the first k+1 steps with their separators. (A tokenizer that prepends a space to every string it
+    no BPE merge crosses a step boundary: label_positions[k] is the index of the last token of `step k + sep`, a
+    token that ends exactly where the separator ends (it may hold the end of the step's text too, where BPE merges
+    them), and decoding input_ids[: label_positions[k] + 1] gives back, BOS aside, the prompt and the first k+1
+    steps with their separators. (A tokenizer that prepends a space to every string it
     encodes, like sentencepiece's Metaspace, adds that space to each step: the same in training and scoring.)
     BOS is prepended when the tokenizer has one. Steps that do not fit whole in max_length tokens are dropped,
     with every step after them, so len(label_positions) <= len(steps); when the prompt alone does not fit,
@@ -667,7 +673,7 @@ def collate(examples: list[dict], pad_id: int, device, pack: bool = False) -> di
 
 def split_steps(text: str, step_separator: str) -> list[str]:
     """A generated solution split into steps the way training rows are laid out: on the separator, without
-    empty pieces (a trailing separator adds no step)."""
+    empty pieces (a trailing separator adds no step). Used by grpo.py's PRM reward and by callers of score_steps."""
     return [step for step in text.split(step_separator) if step.strip()]
 
 
@@ -792,7 +798,7 @@ def use_packing(prm: ProcessRewardModel) -> bool:
     when given no attention mask; one that does not would let an example attend to the one before it, or place
     it at the wrong positions, and one with recurrent or convolutional layers (Mamba, Jamba, LFM2) carries state
     across the boundary whatever the mask. Checked once, through the whole PRM (under FSDP only its forward
-    gathers the weights), scored at every token, in two ways:
+    gathers the weights), scored at every token of the example packed behind, in two ways:
     - positions: a second example packed behind a first must come out as it does alone; 1% of the scale, which
       bf16 rounding stays well below (the same example is computed in rows of other lengths);
     - separation: one example packed behind two different first examples of the same length must come out the
@@ -902,7 +908,7 @@ def oversized_lora_note(model, rank: int) -> Optional[str]:
             "weights in full")
 
 
-# FSDP2 also runs on CPU over gloo, which the tests use to check the sharded path; users get a clear error there
+# CUDA only for users (a clear error elsewhere); the tests add "cpu" here to run the sharded path over gloo
 FSDP_DEVICE_TYPES = ("cuda",)
 
 
@@ -1160,7 +1166,7 @@ def scoring_examples(tokenizer, prompts: list[str], steps: list[list[str]], step
     ValueError naming its solution by places[i] (its file and line), else by its number (from 1) and prompt; or,
     given the dict unscorable (--skip-bad-rows), the solution gets no example positions and unscorable[i] says why
     (write_scores keeps its line, with a null score)."""
-    if isinstance(prompts, str) or any(isinstance(solution, str) for solution in steps):  # (each would be iterated
+    if isinstance(prompts, str) or any(isinstance(solution, str) for solution in steps):  # (a str would be iterated
         raise TypeError("score_steps takes a list of prompts and, for each, a list of steps (split_steps(text, "
                         "separator) splits a solution): a string would be scored character by character")
     examples = []
@@ -1329,7 +1335,7 @@ def resolve_resume(args: Args, output_dir: str) -> Optional[str]:
     if different:
         raise UserError(f"--resume-from {path}: the checkpoint's run differs from this one ({'; '.join(different)}); "
                         "resume with the same settings")
-    # the other flags may change (a longer run, another temperature...), but not unsaid: the run goes on otherwise
+    # the other flags may change (a longer run, another eval cadence...), but not unsaid: the run goes on otherwise
     # than it began. Not listed: where it runs and writes, and the optimiser settings (noted once restored)
     unnoted = {"resume_from", "output_dir", "overwrite", "run_name", "world_size", "local_batch", "learning_rate",
                "weight_decay", "adam_betas"}
@@ -1406,7 +1412,7 @@ def load_trainer_state(path: str) -> dict:
 
 
 def data_fingerprint(*row_lists: list[dict]) -> str:
-    """A short hash of the training and validation rows: resuming on a changed data file is an error."""
+    """A short hash of row lists (training + validation, or eval): resuming on a changed data file is an error."""
     return hashlib.sha256(json.dumps(row_lists, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -2233,7 +2239,7 @@ def train(args: Args) -> dict:
                 step_logits = prm(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
                                   inputs["positions"])  # [b, S]
                 loss, stats = prm_loss(step_logits, inputs["labels"], inputs["mask"], args.loss_kind,
-                                       total_steps=total_labelled)
+                                       num_labelled=total_labelled)
                 loss.backward()
                 if not args.fsdp:  # bf16 weights: each micro-batch's gradient is added in fp32, not in bf16
                     for p, m in mastered:

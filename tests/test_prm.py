@@ -124,7 +124,7 @@ def test_prm_loss_micro_batches_with_total_steps_sum_to_the_whole_batch():
     whole, _ = prm.prm_loss(logits, labels, mask, "bce")
     (whole_grad,) = torch.autograd.grad(whole, logits)
     total = mask.sum().item()
-    parts = [prm.prm_loss(logits[s], labels[s], mask[s], "bce", total_steps=total)[0]
+    parts = [prm.prm_loss(logits[s], labels[s], mask[s], "bce", num_labelled=total)[0]
              for s in (slice(0, 2), slice(2, 3), slice(3, 6))]
     summed = sum(parts)
     (parts_grad,) = torch.autograd.grad(summed, logits)
