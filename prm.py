@@ -295,8 +295,9 @@ def choose_threshold(step_scores: list, step_labels: list) -> float:
     below t) moves only when t passes one of its running minima, from -1 to the lowest score's step, then to
     earlier record lows and finally to step 0, so those records are the only events.
     0.5 when there are no scores, a score is not finite, or the solutions are not both erroneous and correct ones
-    (F1 is then NaN at every threshold), and when F1 is 0 at every threshold (no threshold finds a first error while keeping a correct solution whole): argmax
-    would then return the lowest candidate, min - 1, meaningless as a probability."""
+    (F1 is then NaN at every threshold), and when F1 is 0 at every threshold (no threshold finds a first error
+    while keeping a correct solution whole): argmax would then return the lowest candidate, min - 1, meaningless as
+    a probability."""
     flat = np.asarray([s for scores in step_scores for s in scores], dtype=float)
     truths = [first_below(labels, 0.5) for labels in step_labels]
     num_err = sum(truth >= 0 for truth in truths)
