@@ -1889,11 +1889,13 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           f"0 nothing trains), got {args.lora_alpha}")
     check(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     check(args.max_bad_steps >= 1, f"--max-bad-steps must be at least 1, got {args.max_bad_steps}")
-    # (inf and nan parse as numbers: --learning-rate inf made every weight NaN, --temperature inf trained nothing)
+    # (inf and nan parse as numbers: --learning-rate inf made every weight NaN, --temperature inf trained nothing;
+    # past float32's range, --clip-eps-high 1e300 failed to convert inside the loss)
     for name, value in vars(args).items():
         for number in value if isinstance(value, tuple) else [value]:
-            check(not isinstance(number, float) or math.isfinite(number),
-                  f"--{name.replace('_', '-')} must be a finite number, got {number}")
+            check(not isinstance(number, float) or (math.isfinite(number)
+                                                     and abs(number) <= torch.finfo(torch.float32).max),
+                  f"--{name.replace('_', '-')} must be a finite number within float32's range (3.4e38), got {number}")
     lora_flags = flags_set(args, "lora_alpha", "lora_target_modules")
     check(args.lora_r > 0 or not lora_flags, f"{' and '.join(lora_flags)}: LoRA settings, but --lora-r 0 (full "
           "fine-tuning) makes no adapters: pass --lora-r, or drop them")

@@ -1500,11 +1500,12 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
         if not condition:
             raise UserError(message)
 
-    # (inf and nan parse as numbers: --learning-rate inf made every weight NaN)
+    # (inf and nan parse as numbers: --learning-rate inf made every weight NaN; the tensors are float32 at most)
     for name, value in vars(args).items():
         for number in value if isinstance(value, tuple) else [value]:
-            check(not isinstance(number, float) or math.isfinite(number),
-                  f"--{name.replace('_', '-')} must be a finite number, got {number}")
+            check(not isinstance(number, float) or (math.isfinite(number)
+                                                     and abs(number) <= torch.finfo(torch.float32).max),
+                  f"--{name.replace('_', '-')} must be a finite number within float32's range (3.4e38), got {number}")
     check(args.lora_r >= 0, f"--lora-r must be >= 0 (0 = full fine-tuning), got {args.lora_r}")
     lora_flags = flags_set(args, "lora_alpha", "lora_dropout", "lora_target_modules")
     check(args.lora_r > 0 or not lora_flags, f"{' and '.join(lora_flags)}: LoRA settings, but --lora-r 0 (full "

@@ -131,12 +131,17 @@ BAD_INPUTS = {
     "seed past 32 bits": (lambda tmp: ["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
     "lora alpha of 0": (lambda tmp: ["--lora-r", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
     "NaN reward weight": (lambda tmp: ["--answer-reward-weight", "nan"],
-                          "--answer-reward-weight must be a finite number, got nan"),
+                          "--answer-reward-weight must be a finite number within float32's range (3.4e38), got nan"),
     # inf and nan parse as numbers: an infinite learning rate made every weight NaN, an infinite temperature
     # uniform log-probs (no gradient)
     "infinite learning rate": (lambda tmp: ["--learning-rate", "inf"], "--learning-rate must be a finite number"),
-    "infinite temperature": (lambda tmp: ["--temperature", "inf"], "--temperature must be a finite number, got inf"),
-    "NaN beta": (lambda tmp: ["--adam-betas", "0.9", "nan"], "--adam-betas must be a finite number, got nan"),
+    "infinite temperature": (lambda tmp: ["--temperature", "inf"],
+                             "--temperature must be a finite number within float32's range"),
+    "NaN beta": (lambda tmp: ["--adam-betas", "0.9", "nan"], "--adam-betas must be a finite number"),
+    # past float32's range: the loss's clamp could not convert the bound (a RuntimeError traceback)
+    "clip bound past float32": (lambda tmp: ["--clip-eps-high", "1e300", "--num-iterations", "2"],
+                                "--clip-eps-high must be a finite number within float32's range (3.4e38), got 1e+300"),
+    "delta past float32": (lambda tmp: ["--delta", "1e39"], "--delta must be a finite number within float32's range"),
     "meta device": (lambda tmp: ["--device", "meta"], "--device meta: a meta device holds no data to train on"),
     # settings of something the run does not have: they would be ignored unsaid
     "LoRA settings without LoRA": (lambda tmp: ["--lora-alpha", "64", "--lora-target-modules", "q_proj"],
