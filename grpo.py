@@ -1346,6 +1346,11 @@ def apply_lora(model, args: Args):
     candidates = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                          if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
                          or type(module).__name__ == "Conv1D"})  # GPT-2's linear layers are Conv1D
+    # (no adapter's rank can exceed its layer's smaller side; a huge --lora-r would only fail to allocate)
+    largest_rank = max((min(weight.shape) for weight in model.parameters() if weight.dim() == 2), default=0)
+    if args.lora_r > largest_rank:
+        raise UserError(f"--lora-r {args.lora_r} is above the rank of every weight matrix of the model (at most "
+                        f"{largest_rank}, their smaller side); pass a rank far below it, such as 8 to 64")
     try:
         model = get_peft_model(model, config)
     except NoMatchingPeftModuleError:
@@ -1896,6 +1901,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
             check(not isinstance(number, float) or (math.isfinite(number)
                                                      and abs(number) <= torch.finfo(torch.float32).max),
                   f"--{name.replace('_', '-')} must be a finite number within float32's range (3.4e38), got {number}")
+            check(not isinstance(number, int) or abs(number) < 2**63,  # (torch's integers are int64)
+                  f"--{name.replace('_', '-')} must be within int64's range (2**63), got {number}")
     lora_flags = flags_set(args, "lora_alpha", "lora_target_modules")
     check(args.lora_r > 0 or not lora_flags, f"{' and '.join(lora_flags)}: LoRA settings, but --lora-r 0 (full "
           "fine-tuning) makes no adapters: pass --lora-r, or drop them")

@@ -142,6 +142,10 @@ BAD_INPUTS = {
     "clip bound past float32": (lambda tmp: ["--clip-eps-high", "1e300", "--num-iterations", "2"],
                                 "--clip-eps-high must be a finite number within float32's range (3.4e38), got 1e+300"),
     "delta past float32": (lambda tmp: ["--delta", "1e39"], "--delta must be a finite number within float32's range"),
+    # integers past int64 overflowed in torch; a rank above every layer's failed to allocate (both tracebacks)
+    "group size past int64": (lambda tmp: ["--group-size", str(2**64)], "--group-size must be within int64's range"),
+    "rank above every layer's": (lambda tmp: ["--lora-r", "1000000"],
+                                 "--lora-r 1000000 is above the rank of every weight matrix of the model (at most 128"),
     "meta device": (lambda tmp: ["--device", "meta"], "--device meta: a meta device holds no data to train on"),
     # settings of something the run does not have: they would be ignored unsaid
     "LoRA settings without LoRA": (lambda tmp: ["--lora-alpha", "64", "--lora-target-modules", "q_proj"],
