@@ -265,7 +265,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     A NaN reward (a sample whose reward failed) is left out: the mean and std are those of the other samples,
     as if it had never been drawn, and its own advantage is 0.
     """
-    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (0/1 correctness as ints or bools)
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32  # (0/1 correctness as ints or bools)
+    # in float64: squared deviations of float32 rewards overflow from 1.8e19 (weights of 1e20 zeroed every advantage)
+    rewards = rewards.double()
     grouped = rewards.view(-1, group_size)  # [num_groups, group_size]
     valid = ~torch.isnan(grouped)
     count = valid.sum(dim=1, keepdim=True)  # [num_groups, 1]
@@ -283,7 +285,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     highest = torch.where(valid, grouped, -math.inf).amax(dim=1, keepdim=True)
     lowest = torch.where(valid, grouped, math.inf).amin(dim=1, keepdim=True)
     all_equal = highest <= lowest  # also a group with no valid reward (-inf <= inf)
-    return torch.where(all_equal | ~valid, torch.zeros_like(centred), centred).reshape(-1)
+    return torch.where(all_equal | ~valid, torch.zeros_like(centred), centred).reshape(-1).to(out_dtype)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -1925,6 +1927,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "
           "--loss-type dr_grpo also uses it as its constant normaliser")
     check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature}); evaluation is greedy anyway")
+    check(args.temperature <= 0 or args.temperature >= 1e-3, f"--temperature must be at least 1e-3, got "
+          f"{args.temperature}: logits divided by less overflow float32 (0.1 already samples nearly greedily)")
     check(0 < args.top_p <= 1 and args.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0")
     check(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, "--clip-eps-low must be in [0, 1) (at 1 or more "
           "the lower bound 1 - eps clips no ratio, all being above 0) and --clip-eps-high >= 0")

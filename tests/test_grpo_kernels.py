@@ -817,6 +817,15 @@ def test_group_advantages_with_failures_match_loops(scale):
     assert group_advantages(rewards, group_size, scale).tolist() == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
 
+def test_group_advantages_of_rewards_whose_squares_overflow_float32():
+    """Reward weights of 1e20-1e30 (accepted flags) made every float32 squared deviation inf: all advantages 0."""
+    # group: deviations of 5e29 over a std of 1e30 / sqrt(2); batch: over the 4 rewards' std, 1e30 / sqrt(3)
+    for scale, size in (("group", 1 / math.sqrt(2)), ("batch", math.sqrt(3) / 2)):
+        advantages = group_advantages(torch.tensor([0.0, 1e30, 0.0, 1e30]), 2, scale)
+        assert advantages.dtype == torch.float32
+        torch.testing.assert_close(advantages, torch.tensor([-1.0, 1.0, -1.0, 1.0]) * size, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages_of_integer_and_boolean_rewards(scale):
     expected = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), 3, scale)

@@ -144,6 +144,8 @@ BAD_INPUTS = {
     "delta past float32": (lambda tmp: ["--delta", "1e39"], "--delta must be a finite number within float32's range"),
     # integers past int64 overflowed in torch; a rank above every layer's failed to allocate (both tracebacks)
     "group size past int64": (lambda tmp: ["--group-size", str(2**64)], "--group-size must be within int64's range"),
+    "temperature whose logits overflow": (lambda tmp: ["--temperature", "1e-40"],
+                                          "--temperature must be at least 1e-3, got 1e-40"),
     "rank above every layer's": (lambda tmp: ["--lora-r", "1000000"],
                                  "--lora-r 1000000 is above the rank of every weight matrix of the model (at most 128"),
     "meta device": (lambda tmp: ["--device", "meta"], "--device meta: a meta device holds no data to train on"),
