@@ -2199,9 +2199,11 @@ def train(args: Args) -> dict:
         try:
             state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
         except Exception as error:  # torch.load raises many kinds (EOFError, UnpicklingError, RuntimeError)
+            # (not torch's own advice to load with weights_only=False, which would run whatever the file holds)
+            reason = ("not tensors and plain values: corrupt, or not saved by this script" if "weights_only" in
+                      str(error) else (str(error).strip().splitlines() or ["corrupt file"])[0])
             raise UserError(f"--resume-from {resume_path}: cannot read its trainer_state.pt ({type(error).__name__}: "
-                            f"{str(error).strip().splitlines()[0] if str(error).strip() else 'corrupt file'}); "
-                            "resume from another checkpoint") from None
+                            f"{reason}); resume from another checkpoint") from None
         resumed_wandb_id, resumed_wandb_group = state.get("wandb_id"), state.get("wandb_group")
         if state.get("dtype", str(dtype)) != str(dtype):  # (bf16 `auto` on a GPU, float32 on a CPU)
             raise UserError(f"--resume-from {resume_path}: the checkpoint's run computed in {state['dtype']}, this "

@@ -1413,8 +1413,11 @@ def load_trainer_state(path: str) -> dict:
         # (on the CPU first: the optimiser's load puts each state beside its parameter, on this process's device)
         return torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     except Exception as error:  # torch.load raises many kinds (EOFError, UnpicklingError, RuntimeError) on bad files
+        # (not torch's own advice to load with weights_only=False, which would run whatever the file holds)
+        reason = ("not tensors and plain values: corrupt, or not saved by this script" if "weights_only" in str(error)
+                  else (str(error).strip().splitlines() or ["corrupt file"])[0])
         raise UserError(f"--resume-from {path}: cannot read trainer_state.pt ({type(error).__name__}: "
-                        f"{str(error).strip().splitlines()[0] if str(error).strip() else 'corrupt file'})") from None
+                        f"{reason})") from None
 
 
 def data_fingerprint(*row_lists: list[dict]) -> str:

@@ -493,6 +493,9 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_damage(tmp_path, capsys):
             ("trainer_state.pt", lambda path: path.write_bytes(path.read_bytes()[:100]),
              "cannot read its trainer_state.pt"),
             ("trainer_state.pt", lambda path: path.unlink(), "no trainer_state.pt in it (a copy cut short"),
+            # a file that is no torch archive: torch's message advises weights_only=False, which runs any pickle
+            ("trainer_state.pt", lambda path: path.write_bytes(b"garbage" * 20),
+             "trainer_state.pt (UnpicklingError: not tensors and plain values: corrupt, or not saved by this script)"),
             ("args.json", lambda path: path.write_text("{"), "cannot read its args.json")):
         damaged = tmp_path / "damaged" / "checkpoint-1"
         shutil.rmtree(damaged.parent, ignore_errors=True)

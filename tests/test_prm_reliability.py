@@ -1220,3 +1220,12 @@ def test_token_ids_past_the_embeddings_and_layers_peft_refuses_are_one_line(tmp_
     code, err = run_main(["--output-dir", str(tmp_path / "lora"), *QUICK, "--lora-r", "4", "--lora-target-modules",
                           "embed_tokens,q_proj"], capsys)
     assert code == 0, err
+
+
+def test_a_trainer_state_that_is_no_torch_archive_is_named_without_torchs_advice(tmp_path):
+    """torch's message for such a file advises loading it with weights_only=False, which would run any pickle."""
+    (tmp_path / "trainer_state.pt").write_bytes(b"garbage" * 20)
+    with pytest.raises(prm.UserError) as raised:
+        prm.load_trainer_state(str(tmp_path))
+    assert "not tensors and plain values: corrupt, or not saved by this script" in str(raised.value)
+    assert "weights_only" not in str(raised.value)
