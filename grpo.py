@@ -1322,6 +1322,11 @@ def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None
             module.set_force_sum_reduction_for_comms(True)
 
 
+def tied_parameter_names(model) -> set[str]:
+    """The second names of tied weights (embeddings = output head): state dicts list them once per name, files once."""
+    return {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(dict(model.named_parameters()))
+
+
 def full_state_dicts(model, optimizer=None) -> tuple[dict, Optional[dict]]:
     """Whole (unsharded) model and optimiser state dicts of a sharded model, on the CPU of rank 0 (empty
     elsewhere); every process must call it, since it gathers the shards."""
@@ -1330,8 +1335,7 @@ def full_state_dicts(model, optimizer=None) -> tuple[dict, Optional[dict]]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
-    # tied weights (embeddings = output head) come back once per name; saved once, as save_pretrained does
-    for name in {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(dict(model.named_parameters())):
+    for name in tied_parameter_names(model):  # (saved once, as save_pretrained does)
         weights.pop(name, None)
     return weights, get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
 
@@ -1738,8 +1742,7 @@ def load_saved_weights(model, directory: str) -> tuple[list[str], list[str]]:
     them)."""
     from safetensors.torch import load_file
 
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(
-        dict(model.named_parameters()))  # tied weights are saved once
+    tied = tied_parameter_names(model)  # (saved once)
     missing, unexpected = model.load_state_dict(load_file(os.path.join(directory, "model.safetensors")), strict=False)
     as_named = sorted(set(missing) - tied), list(unexpected)
     if not any(as_named):
@@ -1926,9 +1929,8 @@ def validate_args(args: Args, world_size: int, device: torch.device) -> None:
           "--total-steps, --prompts-per-step, --num-iterations and --num-minibatches must be at least 1")
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {args.max_new_tokens}); "
           "--loss-type dr_grpo also uses it as its constant normaliser")
-    check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature}); evaluation is greedy anyway")
-    check(args.temperature <= 0 or args.temperature >= 1e-3, f"--temperature must be at least 1e-3, got "
-          f"{args.temperature}: logits divided by less overflow float32 (0.1 already samples nearly greedily)")
+    check(args.temperature >= 1e-3, f"--temperature must be at least 1e-3, got {args.temperature}: logits divided "
+          "by less overflow float32 (0.1 already samples nearly greedily; evaluation is greedy anyway)")
     check(0 < args.top_p <= 1 and args.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0")
     check(0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0, "--clip-eps-low must be in [0, 1) (at 1 or more "
           "the lower bound 1 - eps clips no ratio, all being above 0) and --clip-eps-high >= 0")
