@@ -116,10 +116,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     """
     grouped = rewards.double().view(-1, group_size)  # [groups, G]; float64: squares of large rewards overflow fp32
     centred = grouped - grouped.mean(1, keepdim=True)
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
     if scale != "none":
-        centred = centred / ((grouped.std(1, keepdim=True) if scale == "group" else grouped.std()) + eps)
+        centred = centred / ({"group": grouped.std(1, keepdim=True), "batch": grouped.std()}[scale] + eps)
     # the float mean of equal values can differ from them in the last bit, which /(std + eps) would blow up
     equal = grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)
     return torch.where(equal, 0.0, centred).reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float)
@@ -132,10 +130,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     to that of KL(pi_ref || pi), k2's to KL(pi || pi_ref)'s, k1's to 0 (https://arxiv.org/abs/2505.17508).
     """
     x = ref_logp - logp
-    estimates = {"k1": lambda: -x, "k2": lambda: 0.5 * x**2, "k3": lambda: torch.expm1(x) - x}  # expm1: precise near 0
-    if estimator not in estimates:
-        raise ValueError(f"kl estimator must be k1, k2 or k3, got {estimator!r}")
-    return estimates[estimator]()
+    return {"k1": lambda: -x, "k2": lambda: 0.5 * x**2, "k3": lambda: torch.expm1(x) - x}[estimator]()  # expm1: exact
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor], advantages: torch.Tensor,
@@ -165,27 +160,22 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[tor
     adv, in_loss = advantages.unsqueeze(1), mask.bool()  # [B, 1], [B, T]
     log_ratio = torch.where(in_loss, logp - old_logp, 0.0)  # padding may hold anything: exp(inf) * 0 would be NaN
     token_ratio = log_ratio.exp()
-    if importance_sampling not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
-    ratio = token_ratio if importance_sampling == "token" else (
-        log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)).exp().expand_as(logp)
+    sequence_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)).exp().expand_as(logp)
+    ratio = {"token": token_ratio, "sequence": sequence_ratio}[importance_sampling]
     unclipped = ratio if delta is None else ratio.clamp(max=delta)
     pg_loss = -torch.min(unclipped * adv, ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv)  # [B, T]
     token_loss, kl = pg_loss, None
     if kl_coef != 0.0:
-        if ref_logp is None:
-            raise ValueError("kl_coef != 0 needs ref_logp")
         kl = kl_penalty(torch.where(in_loss, logp, 0.0), torch.where(in_loss, ref_logp.to(dtype), 0.0), kl_estimator)
         kl = token_ratio * kl if kl_ratio_weighted else kl  # tokens come from pi_old: pi / pi_old weighs them to pi
         token_loss = pg_loss + kl_coef * kl
+    per_row = (token_loss * mask).sum(1)  # [B]
     if loss_type == "grpo":
-        loss = ((token_loss * mask).sum(1) / mask.sum(1).clamp(min=1.0)).sum() / num_sequences
-    elif loss_type in ("bnpo", "dapo"):
-        loss = (token_loss * mask).sum() / max(num_tokens, 1.0)
+        loss = (per_row / mask.sum(1).clamp(min=1.0)).sum() / num_sequences
     elif loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type dr_grpo needs max_completion_length")
-        loss = (token_loss * mask).sum() / (num_sequences * max_completion_length)
+        loss = per_row.sum() / (num_sequences * max_completion_length)
+    elif loss_type in ("bnpo", "dapo"):
+        loss = per_row.sum() / max(num_tokens, 1.0)
     else:
         raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
     with torch.no_grad():
@@ -388,7 +378,6 @@ def make_reward_fns(args: Args, device) -> list[tuple]:
                                                          ("format", format_reward, args.format_reward_weight)) if weight]
     if args.prm_path is not None:
         import prm  # prm.py, beside this file
-
         scorer = prm.load_prm(args.prm_path, device=device)
 
         def prm_reward(prompts: list[str], completions: list[str]) -> list[float]:
@@ -410,7 +399,6 @@ def build_tiny_tokenizer():
     small action space."""
     from tokenizers import Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
-
     vocab = {token: i for i, token in enumerate(TINY_SPECIALS + TINY_CHARS)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: a token per character
     tokenizer.add_special_tokens(TINY_SPECIALS)
@@ -423,7 +411,6 @@ def build_tiny_tokenizer():
 def build_tiny_model(tokenizer):
     """A 2-layer Llama with 128-wide hidden states (about 0.5M parameters), random init from the current seed."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=512, max_position_embeddings=256, tie_word_embeddings=True,
@@ -433,7 +420,6 @@ def build_tiny_model(tokenizer):
 def load_model(name: str, dtype: torch.dtype, seed: int):
     """(model, tokenizer), dropout off: `tiny` is built here from the seed, anything else by AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
         raise UserError(f"--model {name} does not exist")
     torch.manual_seed(seed)
@@ -458,7 +444,6 @@ def build_policy(args: Args, dtype: torch.dtype, resume_path: Optional[str], dev
     policy with its adapter disabled, none at --kl-coef 0, else a frozen copy."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers.utils.logging import disable_progress_bar
-
     disable_progress_bar()  # its bars for loading and saving weights would break into the log's lines
     # trained weights stay fp32 (bf16 would round small updates away) and compute under autocast; LoRA's base in dtype
     weights = dtype if args.lora_r and not args.fsdp else torch.float32
@@ -483,7 +468,6 @@ def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None
     are gathered for its forward and freed after; gradients are summed in fp32 (losses are divided by global counts)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     blocks = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
@@ -545,7 +529,6 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     sampler's log-probs [B, T] under the whole softmax(logits / T): top-k/top-p choose tokens, the loss sees pi.
     """
     from transformers import DynamicCache
-
     batch, cache, unique = prompt_ids.shape[0], DynamicCache(), slice(None, None, group_size)
     eos_ids = torch.tensor(eos_ids, device=prompt_ids.device).reshape(-1)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
@@ -591,7 +574,6 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     prompt. Each prompt is then encoded once and its keys and values indexed out to its rows before one pass over the
     completions; gradients flow back through the indexing."""
     from transformers import DynamicCache
-
     length = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [B, P+T-1]
     if prompt_of_row is None:
@@ -677,24 +659,6 @@ def all_sum(values: dict, device) -> dict:
     return dict(zip(values, summed.tolist()))
 
 
-def gather(tensor: torch.Tensor) -> torch.Tensor:
-    """[..., B] of every process, concatenated rank after rank along the last dimension."""
-    if not dist.is_initialized():
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts, -1)
-
-
-def sum_gradients(params: list) -> None:
-    """Every parameter's gradient (zeros where none arrived) summed over processes, in one flat all-reduce."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    for p, g in zip(params, torch.split(flat, [g.numel() for g in grads])):
-        p.grad = g.view_as(p)
-
-
 def checkpoint_steps(output_dir: str) -> list[int]:
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     return sorted(int(name[11:]) for name in names if re.fullmatch(r"checkpoint-\d+", name))
@@ -759,7 +723,6 @@ def restore(path: str, output_dir: str, model, optimizer, args: Args) -> tuple[i
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     if args.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(state["optimizer"])
@@ -884,7 +847,11 @@ def train(args: Args) -> dict:
             t_rewarded = clock()
 
             # 3. advantages, over every process's groups (the batch's std needs them all)
-            scores = gather(torch.stack([total, accuracy, *rewards.values()]).to(device))  # [2 + R, W*B]
+            scores = torch.stack([total, accuracy, *rewards.values()]).to(device)  # [2 + R, B]
+            if distributed:
+                parts = [torch.empty_like(scores) for _ in range(world_size)]
+                dist.all_gather(parts, scores)
+                scores = torch.cat(parts, 1)  # [2 + R, W*B], rank after rank
             all_advantages = group_advantages(scores[0], args.group_size, args.scale_rewards)
             advantages = all_advantages[rank * local_rows:(rank + 1) * local_rows]  # [B]
             truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # [B]
@@ -915,9 +882,9 @@ def train(args: Args) -> dict:
             # 5. update: num_iterations passes of num_minibatches optimiser steps, each accumulating micro-batches
             counts = all_sum({j: loss_mask[rows_j.start:rows_j.stop].sum() for j, rows_j in enumerate(minibatches)},
                              device)
-            stat_sums, losses, grad_norms = {}, [], []
+            stat_sums, grad_norms, loss_sum = {}, [], 0.0
             for iteration, j in itertools.product(range(args.num_iterations), range(args.num_minibatches)):
-                last_pass, loss_sum = iteration == args.num_iterations - 1, torch.zeros((), device=device)
+                last_pass = iteration == args.num_iterations - 1  # the batch as its last pass saw it is logged
                 for rows_mb, p_cols, c_cols, prompt_of_row in plans[j]:
                     mask = loss_mask[rows_mb, c_cols]
                     logp, entropy = logprobs(model, rows_mb, p_cols, c_cols, prompt_of_row, with_entropy=last_pass)
@@ -931,44 +898,42 @@ def train(args: Args) -> dict:
                         kl_ratio_weighted=args.kl_ratio_weighted, total_sequences=minibatch_rows * world_size,
                         total_tokens=counts[j])
                     loss.backward()
-                    loss_sum += loss.detach()
-                    if last_pass:
-                        tokens = stats.pop("tokens")
-                        stats["entropy"] = (entropy * mask).sum() / tokens.clamp(min=1.0)
-                        for key, value in {**stats, "tokens": 1.0}.items():
+                    if last_pass:  # token-weighted sums of the stats, and the minibatches' mean loss
+                        tokens, loss_sum = stats.pop("tokens"), loss_sum + loss.detach() / args.num_minibatches
+                        stats.update(entropy=(entropy * mask).sum() / tokens.clamp(min=1.0), tokens=torch.ones(()))
+                        for key, value in stats.items():
                             stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
-                if distributed and not args.fsdp:  # FSDP has summed them in its reduce-scatter
-                    sum_gradients(trainable)
+                if distributed and not args.fsdp:  # every gradient summed in one flat all-reduce (FSDP has done it)
+                    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                      for p in trainable])
+                    dist.all_reduce(flat)
+                    for p, grad in zip(trainable, torch.split(flat, [p.numel() for p in trainable])):
+                        p.grad = grad.view_as(p)
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm or float("inf"))
-                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-                loss_value = all_sum({"loss": loss_sum}, device)["loss"]
-                if last_pass:
-                    losses.append(loss_value)
-                    grad_norms.append(grad_norm)
-                if math.isfinite(loss_value) and math.isfinite(grad_norm):
+                grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+                if math.isfinite(grad_norms[-1]):  # the same on every process: the gradients are summed
                     optimizer.step()
                     bad_updates = 0
-                else:  # a non-finite update would poison the weights
+                else:  # a non-finite loss or gradient would poison the weights
                     bad_updates, skipped_updates = bad_updates + 1, skipped_updates + 1
-                    print0(f"warning: non-finite loss or gradient at step {step + 1}; update skipped", file=sys.stderr,
+                    print0(f"warning: non-finite gradient at step {step + 1}; update skipped", file=sys.stderr,
                            enabled=is_main)
                     if bad_updates >= args.max_bad_steps:
                         raise UserError(f"{bad_updates} updates in a row had a non-finite loss or gradient: lower "
                                         "--learning-rate or check the rewards")
                 optimizer.zero_grad(set_to_none=True)
-                model.zero_grad(set_to_none=True)
             t_updated = clock()
 
             # 6. log (over every process), evaluate, save
             gap = (old_logp - sampler_logp).abs() * completion_mask  # trainer vs sampler, same weights and tokens
-            sums = all_sum({**stat_sums, "gap": gap.sum(), "generated": completion_mask.sum(),
-                            "truncated": truncated.sum(), "prompt_tokens": prompt_mask.sum(),
+            sums = all_sum({**stat_sums, "loss": loss_sum, "gap": gap.sum(), "generated": completion_mask.sum(),
+                            "truncated": truncated.sum(), "prompt_tokens": prompt_mask.sum(), "stop": len(stop_signals),
                             "trained_tokens": loss_mask.sum() * args.num_iterations}, device)
             metrics = {
                 "reward": scores[0].mean(), "reward_std": scores[0].std(), "accuracy": scores[1].mean(),
                 **{f"reward_{name}": scores[2 + i].mean() for i, name in enumerate(rewards)},
                 "frac_zero_std_groups": (all_advantages.view(-1, args.group_size) == 0).all(1).float().mean(),
-                "loss": np.mean(losses), "grad_norm": np.mean(grad_norms),
+                "loss": sums["loss"], "grad_norm": np.mean(grad_norms[-args.num_minibatches:]),
                 **{key: sums[key] / max(sums["tokens"], 1.0) for key in stat_sums if key != "tokens"},
                 "completion_length": sums["generated"] / scores.shape[1],
                 "truncated_frac": sums["truncated"] / scores.shape[1],
@@ -978,18 +943,15 @@ def train(args: Args) -> dict:
                 "reference_time_s": t_referenced - t_rewarded, "update_time_s": t_updated - t_referenced,
                 "step_time_s": t_updated - t_start,
             }
-            # model FLOPs: 2 per weight and token forward, 4 backward (LoRA: 2, no weight gradients); the rollout
-            # encodes each prompt once
-            row_tokens = sums["prompt_tokens"] + sums["generated"]
-            flops = 2 * n_params * (sums["prompt_tokens"] / args.group_size + sums["generated"]
-                                    + row_tokens * ((args.kl_coef > 0) + args.num_iterations * (2 if args.lora_r else 3)))
-            if peak_tflops and dtype == torch.bfloat16:
+            if peak_tflops and dtype == torch.bfloat16:  # FLOPs: 2 a weight and token forward, 4 backward (LoRA: 2)
+                passes = 1 + (args.kl_coef > 0) + args.num_iterations * (2 if args.lora_r else 3)  # rollout ~ 1 pass
+                flops = 2 * n_params * passes * (sums["prompt_tokens"] + sums["generated"])
                 metrics["mfu"] = flops / world_size / metrics["step_time_s"] / (peak_tflops * 1e12)
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
                 eval_accuracy = metrics["eval_accuracy"] = run_eval()
             logger.log(step + 1, metrics)
             history.append(metrics)
-            stopped = all_sum({"stop": len(stop_signals)}, device)["stop"] > 0  # every process stops after one step
+            stopped = sums["stop"] > 0  # a signal stops every process after the same step
             if (args.save_every and (step + 1) % args.save_every == 0) or stopped:
                 save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), model, tokenizer, args, optimizer, {
                     "step": step + 1, "eval_accuracy_start": eval_accuracy_start, "skipped": skipped_updates,
@@ -1011,20 +973,19 @@ def train(args: Args) -> dict:
     timed = history[1:] or history
 
     def total(key: str) -> float:
-        return sum(float(m.get(key, math.nan)) for m in timed)
+        return sum(float(m.get(key, math.nan)) for m in timed) if timed else math.nan
 
     summary = {
         "steps": start_step + len(history), "interrupted": stopped, "total_time_s": time.perf_counter() - run_start,
-        "step_time_s_mean": total("step_time_s") / len(timed) if timed else math.nan,
-        **{f"{part}_time_s": sum(m[f"{part}_time_s"] for m in history)
-           for part in ("generation", "reward", "reference", "update")},
-        "generated_tokens_per_s": total("generated_tokens") / total("generation_time_s") if timed else math.nan,
-        "trained_tokens_per_s": total("trained_tokens") / total("update_time_s") if timed else math.nan,
+        "step_time_s_mean": total("step_time_s") / max(len(timed), 1),
+        **{f"{part}_time_s": sum(m[f"{part}_time_s"] for m in history) for part in ("generation", "reward",
+                                                                                  "reference", "update")},
+        "generated_tokens_per_s": total("generated_tokens") / total("generation_time_s"),
+        "trained_tokens_per_s": total("trained_tokens") / total("update_time_s"),
         "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "mfu": total("mfu") / len(timed) if timed else math.nan,
-        "eval_accuracy_start": eval_accuracy_start, "eval_accuracy_end": eval_accuracy,
-        "skipped_updates": skipped_updates, "resumed_from_step": start_step,
+        "mfu": total("mfu") / max(len(timed), 1), "eval_accuracy_start": eval_accuracy_start,
+        "eval_accuracy_end": eval_accuracy, "skipped_updates": skipped_updates, "resumed_from_step": start_step,
     }
     if stopped:
         summary["stop_signal"] = signal.Signals(stop_signals[0]).name if stop_signals else "SIGTERM"
