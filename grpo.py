@@ -24,7 +24,6 @@ Run it:
     torchrun --standalone --nproc_per_node 8 grpo.py --fsdp --model Qwen/Qwen2.5-7B-Instruct ...   # sharded
 """
 
-import contextlib
 import functools
 import itertools
 import json
@@ -51,11 +50,9 @@ from common import RunLogger, print0, seed_everything
 
 @dataclass
 class Args:
-    # Experiment
     seed: int = 1  # seed of the experiment: model init, prompt order and sampling all follow from it
     output_dir: Optional[str] = None  # metrics, checkpoints and final/ go here; None = runs/grpo__{seed}__{unix time}
     track: bool = False  # log to Weights & Biases, project grpo (WANDB_MODE=offline works)
-    # Model and data
     model: str = "tiny"  # `tiny` (a small random-init Llama built here) or a hub id / local path of a causal LM
     data_path: Optional[str] = None  # JSONL prompts, one {"prompt": str, "answer": str} a line; None = built-in task
     eval_data_path: Optional[str] = None  # JSONL held-out prompts; None = the built-in task's held-out ones, or none
@@ -65,7 +62,6 @@ class Args:
     lora_r: int = 0  # LoRA rank; 0 = full fine-tuning
     lora_alpha: int = 32  # LoRA scaling numerator (the update is scaled by alpha / r)
     lora_target_modules: str = "all-linear"  # comma-separated module names to adapt (q_proj,v_proj), or all-linear
-    # Rollout and rewards
     total_steps: int = 400  # training steps, one rollout batch each
     prompts_per_step: int = 8  # prompts per step, over all processes
     group_size: int = 16  # completions sampled per prompt (the group its rewards are standardised in)
@@ -78,7 +74,6 @@ class Args:
     format_reward_weight: float = 0.1  # weight of the format reward (1 when the answer is stated cleanly)
     prm_path: Optional[str] = None  # a PRM saved by prm.py: its aggregated step scores are added to the reward
     prm_aggregate: Literal["min", "prod", "last", "mean"] = "min"  # how step scores make one PRM reward
-    # Loss
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # how token losses are aggregated (see grpo_loss)
     scale_rewards: Literal["group", "batch", "none"] = "batch"  # divide advantages by the group's or batch's std
     kl_coef: float = 0.02  # weight of the KL penalty to the reference policy; 0 = no reference model
@@ -88,14 +83,12 @@ class Args:
     clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO uses 0.28)
     delta: Optional[float] = None  # upper bound on the unclipped ratio (INTELLECT-2's two-sided clipping); None = off
     importance_sampling: Literal["token", "sequence"] = "token"  # a ratio per token, or per completion (GSPO)
-    # Optimisation
     learning_rate: float = 3e-4  # AdamW learning rate (about 1e-6 for full fine-tuning of real models, 1e-5 for LoRA)
     num_iterations: int = 1  # passes over each rollout batch (PPO's epochs), ratios against the rollout policy
     num_minibatches: int = 1  # optimiser updates per pass, each on an equal share of the batch's groups
     micro_batch_size: int = 0  # completions per forward/backward pass (gradient accumulation); 0 = a whole minibatch
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     max_bad_steps: int = 3  # stop after this many updates in a row with a non-finite loss (each one is skipped)
-    # Evaluation, saving, system
     eval_every: int = 50  # greedy held-out accuracy every this many steps (0 = at the start and the end only)
     save_every: int = 0  # write checkpoint-STEP/ every this many steps (0 = only when stopped by a signal)
     resume_from: Optional[str] = None  # a checkpoint-STEP directory, or `latest` in --output-dir, to continue from
@@ -109,11 +102,8 @@ class Args:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
-    """A_i = (r_i - mean(group)) / (std + eps) for rewards [B] laid out group after group [G0 c0..c{n-1}, G1 ...].
-
-    scale: "group" divides by each group's std, "batch" by the whole batch's, "none" not at all (Dr. GRPO); Bessel's
-    std, as in TRL and verl. A group of equal rewards gets exactly 0: it says nothing about which completion is better.
-    """
+    """A_i = (r_i - mean(group)) / (std + eps) for rewards [B] laid out group after group, std Bessel's (as TRL, verl)
+    and the group's, the batch's, or none (Dr. GRPO). Equal rewards get exactly 0: they say nothing of which is better."""
     grouped = rewards.double().view(-1, group_size)  # [groups, G]; float64: squares of large rewards overflow fp32
     centred = grouped - grouped.mean(1, keepdim=True)
     if scale != "none":
@@ -124,11 +114,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimates of KL(pi || pi_ref) from tokens sampled from pi (http://joschu.net/blog/kl-approx.html).
-
-    x = ref_logp - logp: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - x - 1 (unbiased, >= 0). As losses, k3's gradient averages
-    to that of KL(pi_ref || pi), k2's to KL(pi || pi_ref)'s, k1's to 0 (https://arxiv.org/abs/2505.17508).
-    """
+    """Per-token KL(pi || pi_ref) from tokens of pi (http://joschu.net/blog/kl-approx.html), x = ref_logp - logp: k1 = -x,
+    k2 = x^2 / 2, k3 = exp(x) - x - 1 (>= 0). As losses, k3's gradient averages to KL(pi_ref || pi)'s, k2's to
+    KL(pi || pi_ref)'s, k1's to 0 (https://arxiv.org/abs/2505.17508)."""
     x = ref_logp - logp
     return {"k1": lambda: -x, "k2": lambda: 0.5 * x**2, "k3": lambda: torch.expm1(x) - x}[estimator]()  # expm1: exact
 
@@ -232,65 +220,55 @@ def load_jsonl(path: str) -> list[dict]:
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read data file {path}: {getattr(error, 'strerror', None) or error}") from None
     rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, line in ((number, line) for number, line in enumerate(lines, 1) if line.strip()):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise UserError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("answer"), (str, int, float))):
             hint = ' (it has "question": rename it to "prompt")' if isinstance(row, dict) and "question" in row else ""
-            raise UserError(f'{path}:{number}: each row needs a string field "prompt"{hint}')
-        if isinstance(row.get("answer"), bool) or not isinstance(row.get("answer"), (str, int, float)):
-            raise UserError(f'{path}:{number}: each row needs a field "answer" (a string or a number)')
+            raise UserError(f'{path}:{number}: each row needs a string "prompt" and an "answer" (a string or a number){hint}')
         rows.append({"prompt": row["prompt"], "answer": str(row["answer"]), "where": f"{path}:{number}"})
     if not rows:
         raise UserError(f"{path} holds no rows")
     return rows
 
 
-# Answers: numbers by our own short code, compared exactly as fractions; anything else by Math-Verify (TRL's checker)
+# Answers: numbers are compared exactly as fractions by the code below, anything else by Math-Verify (TRL's checker).
 MARKED = re.compile(r"####[ \t]*([^\sA-Za-z#*][^\n]*)")  # GSM8K's "#### 72", not a heading ("#### Step 2")
 ANSWER_IS = re.compile(r"answer(?:\s+is\b|\s*:)[\s:]*", re.IGNORECASE)
+BOXED = re.compile(r"\\boxed\s*\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")
 # a number that is no part of an expression (not the 2 of x^2, x_2, \pi/2, 2x or \sqrt{2}); "1,234" and "3/4" whole
-NUMBER = re.compile(r"(?<![\w.^_/{])-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?(?![\w^\\]|\s+(?:hundred|thousand|[mbr]illion))")
-# what only decorates a number ($18, 28\%, 10,\!000, 90^\circ, 5\text{ cm}); \frac{3}{4} is 3/4, but not after a
-# digit (2\frac{1}{2} is a mixed number, for Math-Verify)
-NOISE = re.compile(r"\\?[$%]|\\[!,()[\]]|\^\s*\{?\\circ\}?|°|\\(?:text|mbox)\s*\{[^{}]*\}")
-FRAC = re.compile(r"(?<![\d.])\\[cdt]?frac\s*(?:\{\s*(-?[\d.]+)\s*\}|(\d))\s*(?:\{\s*([\d.]+)\s*\}|(\d))")
-# a whole answer that is a number, maybe with a unit ("18 dollars", "49 cm^2"), but no scale ("5 million")
+NUMBER = re.compile(r"(?<![\w.^_/{])-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?"
+                    r"(?![\w^\\]|\s+(?:hundred|thousand|[mbr]illion))")
+NOISE = re.compile(r"\\?[$%]|\\[!,()[\]]|\^\s*\{?\\circ\}?|°|\\(?:text|mbox)\s*\{[^{}]*\}")  # $18, 28\%, 90^\circ
+# \frac{3}{4} and \dfrac34 as 3/4, but not after a digit: 2\frac{1}{2} is a mixed number, for Math-Verify
+FRACTION = re.compile(r"(?<![\d.])\\[cdt]?frac\s*(?:\{\s*(-?[\d.]+)\s*\}|(\d))\s*(?:\{\s*([\d.]+)\s*\}|(\d))")
+# a whole answer that is a number, maybe with a unit ("18 dollars", "49 cm^2") but no scale ("5 million")
 NUMBER_WITH_UNIT = re.compile(r"([-+]?(?:\d+\.?\d*|\.\d+))(?:/(\d+\.?\d*))?"
                               r"(?:\s+(?!(?:hundred|thousand|[mbr]illion|pi)\b)[A-Za-z]{2,}(?:\^[23]|[²³])?)*")
 # sympy takes seconds, or forever, on power towers and huge powers or factorials: refused before Math-Verify
 PATHOLOGICAL = re.compile(r"\^\s*(?:\{[^{}]*|\([^()]*|\d+\s*)\^|\^\s*[{(]?\s*\d{5,}|\d{5,}\s*!")
 
 
-def boxes(text: str) -> Optional[list[tuple[str, int]]]:
-    """(content, end) of every \\boxed{...}; None when one is left open (a completion cut at the token limit)."""
-    found, opened, depth = [], [], 0
-    for token in re.finditer(r"\\boxed\s*\{|[{}]", text):
-        if token[0] == "}":
-            depth -= 1
-            if opened and opened[-1][0] == depth:
-                found.append((text[opened.pop()[1]:token.start()], token.end()))
-        else:
-            opened += [(depth, token.end())] if token[0] != "{" else []
-            depth += 1
-    return None if opened else found
+def boxes(text: str) -> Optional[list[str]]:
+    """The contents of every \\boxed{...} (braces nested twice deep at most); None when one is never closed (a
+    completion cut at the token limit)."""
+    found = BOXED.findall(text)
+    return found if len(found) == len(re.findall(r"\\boxed\s*\{", text)) else None
 
 
 def final_answer(text: str, numeric: bool = True, joined: bool = False) -> Optional[str]:
-    """A text's `####` line, else its \\boxed{}, else what its last "answer is" says (or else the text): the last
-    number there, or for a symbolic answer the last $...$. None for none, an unclosed box, or several different
-    answers (a hedge), unless joined (a worked reference's boxes)."""
+    """The `####` line, else the \\boxed{}, else what the last "answer is" says (or else the text): its last number,
+    or for a symbolic answer the last $...$ of its last sentence. None for no answer, an open box, or several (a
+    hedge), unless joined (a worked reference's boxes)."""
     marked = {line.strip(" .*$") for line in MARKED.findall(text)}
     if len(marked) > 1:
         return None
     if marked and "\\boxed" not in (text := marked.pop()):
         return text
     found = boxes(text)
-    contents = list(dict.fromkeys(content.strip(" .$") for content, _ in found or []))
+    contents = list(dict.fromkeys(content.strip(" .$") for content in found or []))
     if found is None or (len(contents) > 1 and not joined):
         return None
     if contents:
@@ -299,7 +277,7 @@ def final_answer(text: str, numeric: bool = True, joined: bool = False) -> Optio
     tail = text[said[-1].end():].split("\n", 1)[0].split(". ")[0] if said else text
     if said and (inline := re.match(r"\s*\$+([^$]+)\$", tail)):  # "is $\frac{7}{3}$, about 2.33": the maths
         return inline[1].strip(" .")
-    if not numeric:  # the last $...$ of the last sentence, or that sentence
+    if not numeric:
         last = re.split(r"(?<=[.!?])\s+(?=[A-Z])|\n\s*\n", tail.strip())[-1]
         return ([""] + re.findall(r"\$+([^$]+)\$", last))[-1].strip(" .$") or last.strip(" .$") or None
     numbers = NUMBER.findall(normalise(tail))
@@ -307,9 +285,9 @@ def final_answer(text: str, numeric: bool = True, joined: bool = False) -> Optio
 
 
 def normalise(text: str) -> str:
-    """Numbers written one way: no $, %, degree signs or \\text{} units; 1{,}000 as 1,000, \\frac{3}{4} as 3/4."""
+    """Numbers written one way: no $, %, degree signs or \\text{} units, 1{,}000 as 1,000, \\frac{3}{4} as 3/4."""
     text = NOISE.sub("", text.replace("{,}", ",").replace("\u2212", "-"))
-    return FRAC.sub(lambda m: f"{m[1] or m[2]}/{m[3] or m[4]}", text)
+    return FRACTION.sub(lambda m: f"{m[1] or m[2]}/{m[3] or m[4]}", text)
 
 
 def parse_number(text: str) -> Optional[Fraction]:
@@ -323,13 +301,12 @@ def parse_number(text: str) -> Optional[Fraction]:
 
 @functools.lru_cache(maxsize=4096)  # a group's completions often state the same answer
 def symbolic_equal(stated: str, reference: str) -> bool:
-    """Math-Verify's verdict, its timeouts off: they arm SIGALRM, which fails in threads and cancels other alarms."""
+    """Math-Verify's verdict with its timeouts off: they arm SIGALRM, which fails in threads and cancels others."""
     try:
         from math_verify import parse, verify
     except ImportError:
         raise UserError("symbolic answers are checked by Math-Verify: pip install math-verify") from None
-    gold, pred = (parse(f"${text}$", parsing_timeout=None) for text in (reference, stated))
-    return verify(gold, pred, timeout_seconds=None)
+    return verify(*(parse(f"${text}$", parsing_timeout=None) for text in (reference, stated)), timeout_seconds=None)
 
 
 def answer_reward(completion: str, answer: str) -> float:
@@ -344,28 +321,25 @@ def answer_reward(completion: str, answer: str) -> float:
 
 
 def format_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion is just a number written canonically (not "05"), or ends with `#### n` or a non-empty
-    \\boxed{...} (a closing $, \\) or \\] and a full stop aside)."""
+    """1.0 for a bare canonical number (not "05"), or a text that ends with `#### n` or a non-empty \\boxed{...}."""
     text = completion.strip()
     end = text.removesuffix(".").rstrip().rstrip("$").removesuffix("\\]").removesuffix("\\)").rstrip()
-    boxed = any(stop == len(end) and content.strip() for content, stop in boxes(end) or [])
+    boxed = (last := re.search(BOXED.pattern + "$", end)) is not None and last[1].strip() != ""
     return float(bool(re.fullmatch(r"-?(?:0|[1-9]\d*)(?:\.\d+)?", text) or boxed
                       or re.search(r"####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$", end)))
 
 
 def compute_rewards(prompts: list[str], completions: list[str], answers: list[str], reward_fns: list) -> dict:
-    """{name: [B] tensor} of every reward. A per-sample function takes (completion, answer); "prm" takes the lists
-    (prompts, completions), to score in batches. A reward that raises or is not finite stops the run, naming the
-    sample."""
+    """{name: [B] tensor} of each reward: fn(completion, answer) per sample, or fn(prompts, completions) for the
+    whole batch ("prm"). A reward that raises or is not finite stops the run with the sample named."""
     values = {}
     for name, fn, _ in reward_fns:
-        values[name] = [float(value) for value in fn(prompts, completions)] if name == "prm" else []
+        values[name] = fn(prompts, completions) if name == "prm" else []
         for completion, answer in zip(completions, answers) if name != "prm" else ():
             try:
                 values[name].append(float(fn(completion, answer)))
             except Exception as error:
-                raise UserError(f"reward {name} raised {type(error).__name__} ({error}) on completion "
-                                f"{completion[:200]!r}, answer {answer!r}") from error
+                raise UserError(f"reward {name} raised {type(error).__name__} ({error}) on {completion[:200]!r}") from error
         for value, completion, answer in zip(values[name], completions, answers):
             if not math.isfinite(value):
                 raise UserError(f"reward {name} is {value} on completion {completion[:200]!r}, answer {answer!r}")
@@ -373,7 +347,7 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
 
 
 def make_reward_fns(args: Args, device) -> list[tuple]:
-    """(name, function, weight) of each reward in use. To add a reward of your own, append its triple here."""
+    """(name, function, weight) of each reward in use. A reward of your own: append its triple here."""
     fns = [(name, fn, weight) for name, fn, weight in (("answer", answer_reward, args.answer_reward_weight),
                                                          ("format", format_reward, args.format_reward_weight)) if weight]
     if args.prm_path is not None:
@@ -425,7 +399,8 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
     torch.manual_seed(seed)
     try:
         tokenizer = build_tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(name)
-        model = build_tiny_model(tokenizer) if name == "tiny" else AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        model = (build_tiny_model(tokenizer) if name == "tiny"
+                 else AutoModelForCausalLM.from_pretrained(name, dtype=dtype))
     except (OSError, ValueError) as error:
         raise UserError(f"could not load --model {name}: {str(error).strip().splitlines()[0]}") from None
     for weight in model.parameters():  # not model.to(dtype), which would round the rotary frequencies too
@@ -473,10 +448,9 @@ def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None
     blocks = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
     for module in [m for m in model.modules() if type(m).__name__ in blocks] + [model]:
         fully_shard(module, mesh=mesh, mp_policy=policy)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-scaled one
+    for module in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-scaled one
 
 
 def encode_prompts(tokenizer, rows: list[dict], args: Args) -> list[list[int]]:
@@ -521,12 +495,11 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
              top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1, stop_together=False,
              vocab_size: Optional[int] = None):
     """Complete left-padded prompts [B, P] with a KV cache: greedy, or with `generators` (one per group of rows)
-    sampled as argmax(top-k/top-p logits / T + Gumbel noise from the group's stream), an exact sample.
-
-    Rows come in groups of group_size identical prompts: each prompt is encoded once, its cache copied to its group.
-    stop_together: decode until every process's rows have ended (under FSDP each forward is a collective).
-    Returns completion ids [B, T] (pad after EOS), their mask [B, T] (1 up to and including the first EOS), and the
-    sampler's log-probs [B, T] under the whole softmax(logits / T): top-k/top-p choose tokens, the loss sees pi.
+    sampled as argmax(top-k/top-p logits / T + Gumbel noise from the group's stream), an exact sample. Rows come in
+    groups of group_size identical prompts: each is encoded once, its cache copied to its group. stop_together:
+    decode until every process's rows have ended (under FSDP each forward is a collective). Returns completion ids
+    [B, T] (pad after EOS), their mask [B, T] (1 up to and including the first EOS), and the sampler's log-probs
+    [B, T] under the whole softmax(logits / T): top-k/top-p choose the tokens, the loss sees the untruncated policy.
     """
     from transformers import DynamicCache
     batch, cache, unique = prompt_ids.shape[0], DynamicCache(), slice(None, None, group_size)
@@ -568,11 +541,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                         with_entropy=False, prompt_of_row: Optional[list[int]] = None,
                         vocab_size: Optional[int] = None):
     """Log-probs [B, T] (and entropies or None) of the completion tokens, logits kept only at the T positions that
-    predict them (the last completion token is never fed: it is only a target).
-
-    prompt_of_row: each row's prompt numbered from 0 in order of appearance, rows of a number sharing a left-padded
-    prompt. Each prompt is then encoded once and its keys and values indexed out to its rows before one pass over the
-    completions; gradients flow back through the indexing."""
+    predict them (the last completion token is only a target, never fed). prompt_of_row: each row's prompt numbered
+    from 0 in order of appearance (rows of a number share a left-padded prompt); each prompt is then encoded once and
+    its keys and values indexed out to its rows before one pass over the completions."""
     from transformers import DynamicCache
     length = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [B, P+T-1]
@@ -587,7 +558,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                    position_ids=(prompt_mask[first].cumsum(-1) - 1).clamp(min=0),
                    logits_to_keep=1).logits[owner]  # [B, 1, V]: the prompt's last position predicts token 0
     if length > 1:
-        cache.batch_select_indices(owner)  # [U, heads, P, d] -> [B, heads, P, d] in every layer
+        cache.batch_select_indices(owner)  # [U, heads, P, d] -> [B, heads, P, d] in every layer; gradients flow back
         positions = prompt_mask.sum(1, keepdim=True) + torch.arange(length - 1, device=prompt_ids.device)
         logits = torch.cat([logits, model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask, cache=cache,
                                           position_ids=positions, use_cache=True).logits], dim=1)  # [B, T, V]
@@ -872,7 +843,7 @@ def train(args: Args) -> dict:
                                                args.temperature, with_entropy, prompt_of_row, vocab_size)
 
             with torch.no_grad():
-                with model.disable_adapter() if args.lora_r else contextlib.nullcontext():
+                with model.disable_adapter() if args.lora_r else torch.no_grad():  # (a no-op: no_grad already)
                     for plan in itertools.chain(*plans) if args.kl_coef else ():
                         ref_logp[plan[0], plan[2]] = logprobs(model if reference is None else reference, *plan)[0]
                 for plan in itertools.chain(*plans[1:]):
