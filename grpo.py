@@ -7,13 +7,11 @@ The loss is PPO's clipped surrogate plus a KL penalty to a frozen reference poli
 Where this file departs from the paper:
 1. Clipping `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` for both signs of A, with DAPO's separate epsilons
    (https://arxiv.org/abs/2503.14476) and INTELLECT-2's optional bound `delta` on r (https://arxiv.org/abs/2505.07291).
-2. `--loss-type` picks the aggregation; every normaliser counts the whole (mini)batch over micro-batches and
-   processes, so the update does not depend on how the batch is split. `--kl-coef 0` builds no reference model.
+2. `--loss-type` picks the aggregation; every normaliser counts the whole (mini)batch, over micro-batches and
+   processes, so the update does not depend on how the batch is split.
 3. `--scale-rewards batch` (the default) divides advantages by the batch's reward std instead of each group's.
-4. Log-probs in fp32 at completion positions only, at the sampling temperature; the gap between the sampler's
-   log-probs and the trainer's is logged every step.
-5. Each prompt's completions come from a random stream keyed by (seed, step, prompt), so a resumed or a
-   multi-process run samples what one uninterrupted process would.
+4. Each prompt's completions come from a random stream keyed by (seed, step, prompt): a resumed or multi-process
+   run samples what one uninterrupted process would.
 
 Run it:
     python grpo.py                                    # tiny model, built-in task, CPU, about a minute
@@ -24,6 +22,7 @@ Run it:
     torchrun --standalone --nproc_per_node 8 grpo.py --fsdp --model Qwen/Qwen2.5-7B-Instruct ...   # sharded
 """
 
+import contextlib
 import functools
 import itertools
 import json
@@ -99,24 +98,23 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels: tensors in, tensors out. The tests import these.
-
-
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
-    """A_i = (r_i - mean(group)) / (std + eps) for rewards [B] laid out group after group, std Bessel's (as TRL, verl)
-    and the group's, the batch's, or none (Dr. GRPO). Equal rewards get exactly 0: they say nothing of which is better."""
+    """A_i = (r_i - mean(group)) / (std + eps) for rewards [B] laid out group after group, with Bessel's std (as TRL and
+    verl) of the group, the batch, or none (Dr. GRPO). Equal rewards get exactly 0: they tell nothing apart."""
     grouped = rewards.double().view(-1, group_size)  # [groups, G]; float64: squares of large rewards overflow fp32
     centred = grouped - grouped.mean(1, keepdim=True)
     if scale != "none":
         centred = centred / ({"group": grouped.std(1, keepdim=True), "batch": grouped.std()}[scale] + eps)
     # the float mean of equal values can differ from them in the last bit, which /(std + eps) would blow up
     equal = grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)
-    return torch.where(equal, 0.0, centred).reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float)
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32  # 0/1 rewards may come as ints
+    return torch.where(equal, 0.0, centred).reshape(-1).to(out_dtype)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) from tokens of pi (http://joschu.net/blog/kl-approx.html), x = ref_logp - logp: k1 = -x,
-    k2 = x^2 / 2, k3 = exp(x) - x - 1 (>= 0). As losses, k3's gradient averages to KL(pi_ref || pi)'s, k2's to
-    KL(pi || pi_ref)'s, k1's to 0 (https://arxiv.org/abs/2505.17508)."""
+    """Per-token KL(pi || pi_ref) from tokens of pi (http://joschu.net/blog/kl-approx.html), x = ref_logp - logp:
+    k1 = -x, k2 = x^2 / 2, k3 = exp(x) - x - 1 (>= 0). As losses, k3's gradient averages to KL(pi_ref || pi)'s, k2's
+    to KL(pi || pi_ref)'s, k1's to 0 (https://arxiv.org/abs/2505.17508)."""
     x = ref_logp - logp
     return {"k1": lambda: -x, "k2": lambda: 0.5 * x**2, "k3": lambda: torch.expm1(x) - x}[estimator]()  # expm1: exact
 
@@ -170,7 +168,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[tor
         tokens = mask.sum()
         high = ((adv > 0) & (ratio > 1.0 + clip_eps_high)) | ((adv < 0) & (ratio > (delta or math.inf)))
         per_token = {"ratio_mean": ratio, "clip_frac_low": ((adv < 0) & (ratio < 1.0 - clip_eps_low)).to(dtype),
-                     "clip_frac_high": high.to(dtype), "pg_loss": pg_loss, **({"kl_mean": kl} if kl is not None else {})}
+                     "clip_frac_high": high.to(dtype), "pg_loss": pg_loss, **({} if kl is None else {"kl_mean": kl})}
         stats = {name: (value * mask).sum() / tokens.clamp(min=1.0) for name, value in per_token.items()}
     return loss, {**stats, "tokens": tokens}
 
@@ -193,7 +191,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 # ---------------------------------------------------------------------------------------------------------------
 # Task, data and rewards
-
 # The built-in task: the last digit of N + 7 for a 3-digit N, e.g. "(358+7)%10=" -> "5". A constant answer is right
 # one time in ten, and held-out numbers are never trained on: the policy must learn the map from N's units digit.
 TINY_CHARS = list("0123456789+-*/%()= ")
@@ -220,14 +217,18 @@ def load_jsonl(path: str) -> list[dict]:
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read data file {path}: {getattr(error, 'strerror', None) or error}") from None
     rows = []
-    for number, line in ((number, line) for number, line in enumerate(lines, 1) if line.strip()):
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise UserError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("answer"), (str, int, float))):
+        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
+                and isinstance(row.get("answer"), (str, int, float))):
             hint = ' (it has "question": rename it to "prompt")' if isinstance(row, dict) and "question" in row else ""
-            raise UserError(f'{path}:{number}: each row needs a string "prompt" and an "answer" (a string or a number){hint}')
+            raise UserError(f'{path}:{number}: each row needs a string "prompt" and an "answer", a string or a number'
+                            + hint)
         rows.append({"prompt": row["prompt"], "answer": str(row["answer"]), "where": f"{path}:{number}"})
     if not rows:
         raise UserError(f"{path} holds no rows")
@@ -237,47 +238,36 @@ def load_jsonl(path: str) -> list[dict]:
 # Answers: numbers are compared exactly as fractions by the code below, anything else by Math-Verify (TRL's checker).
 MARKED = re.compile(r"####[ \t]*([^\sA-Za-z#*][^\n]*)")  # GSM8K's "#### 72", not a heading ("#### Step 2")
 ANSWER_IS = re.compile(r"answer(?:\s+is\b|\s*:)[\s:]*", re.IGNORECASE)
-BOXED = re.compile(r"\\boxed\s*\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")
-# a number that is no part of an expression (not the 2 of x^2, x_2, \pi/2, 2x or \sqrt{2}); "1,234" and "3/4" whole
+BOXED = re.compile(r"\\boxed\s*\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")  # braces nested twice at most
+# a number that is no part of an expression (not the 2 of x^2, x_2, \pi/2, 2x, \sqrt{2}) nor of a scale (5 million)
 NUMBER = re.compile(r"(?<![\w.^_/{])-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?"
                     r"(?![\w^\\]|\s+(?:hundred|thousand|[mbr]illion))")
-NOISE = re.compile(r"\\?[$%]|\\[!,()[\]]|\^\s*\{?\\circ\}?|°|\\(?:text|mbox)\s*\{[^{}]*\}")  # $18, 28\%, 90^\circ
+# what only decorates a number: $18, 28\%, 90^\circ, 5\text{ cm}, \(5\); and a unit word after it, 18 dollars
+NOISE = re.compile(r"\\?[$%]|\\[!,()[\]]|\^\s*\{?\\circ\}?|°|\\(?:text|mbox)\s*\{[^{}]*\}")
+UNIT = re.compile(r"(?<=\d)(?:\s+(?!(?:hundred|thousand|[mbr]illion)\b)[A-Za-z]{2,}(?:\^[23]|[²³])?)+$")
 # \frac{3}{4} and \dfrac34 as 3/4, but not after a digit: 2\frac{1}{2} is a mixed number, for Math-Verify
-FRACTION = re.compile(r"(?<![\d.])\\[cdt]?frac\s*(?:\{\s*(-?[\d.]+)\s*\}|(\d))\s*(?:\{\s*([\d.]+)\s*\}|(\d))")
-# a whole answer that is a number, maybe with a unit ("18 dollars", "49 cm^2") but no scale ("5 million")
-NUMBER_WITH_UNIT = re.compile(r"([-+]?(?:\d+\.?\d*|\.\d+))(?:/(\d+\.?\d*))?"
-                              r"(?:\s+(?!(?:hundred|thousand|[mbr]illion|pi)\b)[A-Za-z]{2,}(?:\^[23]|[²³])?)*")
+FRACTION = re.compile(r"(?<![\d.])\\[cdt]?frac\s*(?:\{\s*(-?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
 # sympy takes seconds, or forever, on power towers and huge powers or factorials: refused before Math-Verify
 PATHOLOGICAL = re.compile(r"\^\s*(?:\{[^{}]*|\([^()]*|\d+\s*)\^|\^\s*[{(]?\s*\d{5,}|\d{5,}\s*!")
 
 
-def boxes(text: str) -> Optional[list[str]]:
-    """The contents of every \\boxed{...} (braces nested twice deep at most); None when one is never closed (a
-    completion cut at the token limit)."""
-    found = BOXED.findall(text)
-    return found if len(found) == len(re.findall(r"\\boxed\s*\{", text)) else None
-
-
 def final_answer(text: str, numeric: bool = True, joined: bool = False) -> Optional[str]:
-    """The `####` line, else the \\boxed{}, else what the last "answer is" says (or else the text): its last number,
-    or for a symbolic answer the last $...$ of its last sentence. None for no answer, an open box, or several (a
-    hedge), unless joined (a worked reference's boxes)."""
+    """The `####` line, else the \\boxed{}, else what the last "answer is" says (or the text): its last number, or the
+    last $...$ for a symbolic answer. None for no answer, an unclosed box, or several (a hedge) unless joined."""
     marked = {line.strip(" .*$") for line in MARKED.findall(text)}
     if len(marked) > 1:
         return None
     if marked and "\\boxed" not in (text := marked.pop()):
         return text
-    found = boxes(text)
-    contents = list(dict.fromkeys(content.strip(" .$") for content in found or []))
-    if found is None or (len(contents) > 1 and not joined):
-        return None
+    found = BOXED.findall(text)
+    contents = list(dict.fromkeys(content.strip(" .$") for content in found))
+    if len(found) < len(re.findall(r"\\boxed\s*\{", text)) or (len(contents) > 1 and not joined):
+        return None  # a box left open (cut at the token limit), or a hedge
     if contents:
         return ", ".join(contents)
     said = list(ANSWER_IS.finditer(text))
     tail = text[said[-1].end():].split("\n", 1)[0].split(". ")[0] if said else text
-    if said and (inline := re.match(r"\s*\$+([^$]+)\$", tail)):  # "is $\frac{7}{3}$, about 2.33": the maths
-        return inline[1].strip(" .")
-    if not numeric:
+    if not numeric:  # the last $...$ of the last sentence: not one before a cut-off
         last = re.split(r"(?<=[.!?])\s+(?=[A-Z])|\n\s*\n", tail.strip())[-1]
         return ([""] + re.findall(r"\$+([^$]+)\$", last))[-1].strip(" .$") or last.strip(" .$") or None
     numbers = NUMBER.findall(normalise(tail))
@@ -285,17 +275,16 @@ def final_answer(text: str, numeric: bool = True, joined: bool = False) -> Optio
 
 
 def normalise(text: str) -> str:
-    """Numbers written one way: no $, %, degree signs or \\text{} units, 1{,}000 as 1,000, \\frac{3}{4} as 3/4."""
     text = NOISE.sub("", text.replace("{,}", ",").replace("\u2212", "-"))
     return FRACTION.sub(lambda m: f"{m[1] or m[2]}/{m[3] or m[4]}", text)
 
 
 def parse_number(text: str) -> Optional[Fraction]:
     """'1,234' -> 1234, '$7.50' -> 15/2, '\\frac{3}{4}' -> 3/4, '18 dollars' -> 18; None for what is not a number."""
-    match = NUMBER_WITH_UNIT.fullmatch(re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", normalise(text)).strip())
+    match = NUMBER.fullmatch(UNIT.sub("", normalise(text).strip()))
     try:
-        return Fraction(match[1]) / Fraction(match[2] or 1) if match else None
-    except (ValueError, ZeroDivisionError):
+        return Fraction(match[0].replace(",", "")) if match else None
+    except ZeroDivisionError:
         return None
 
 
@@ -339,7 +328,7 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
             try:
                 values[name].append(float(fn(completion, answer)))
             except Exception as error:
-                raise UserError(f"reward {name} raised {type(error).__name__} ({error}) on {completion[:200]!r}") from error
+                raise UserError(f"reward {name} raised {error!r} on completion {completion[:200]!r}") from error
         for value, completion, answer in zip(values[name], completions, answers):
             if not math.isfinite(value):
                 raise UserError(f"reward {name} is {value} on completion {completion[:200]!r}, answer {answer!r}")
@@ -348,8 +337,8 @@ def compute_rewards(prompts: list[str], completions: list[str], answers: list[st
 
 def make_reward_fns(args: Args, device) -> list[tuple]:
     """(name, function, weight) of each reward in use. A reward of your own: append its triple here."""
-    fns = [(name, fn, weight) for name, fn, weight in (("answer", answer_reward, args.answer_reward_weight),
-                                                         ("format", format_reward, args.format_reward_weight)) if weight]
+    fns = [("answer", answer_reward, args.answer_reward_weight), ("format", format_reward, args.format_reward_weight)]
+    fns = [fn for fn in fns if fn[2]]
     if args.prm_path is not None:
         import prm  # prm.py, beside this file
         scorer = prm.load_prm(args.prm_path, device=device)
@@ -366,43 +355,33 @@ def make_reward_fns(args: Args, device) -> list[tuple]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Model, rollout and log-probs
-
-
-def build_tiny_tokenizer():
-    """A character-level tokenizer over the built-in task's alphabet: RL from a random init finds rewards only in a
-    small action space."""
-    from tokenizers import Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
-    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + TINY_CHARS)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: a token per character
-    tokenizer.add_special_tokens(TINY_SPECIALS)
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>", model_max_length=1024)
-
-
-def build_tiny_model(tokenizer):
-    """A 2-layer Llama with 128-wide hidden states (about 0.5M parameters), random init from the current seed."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=512, max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
-
-
 def load_model(name: str, dtype: torch.dtype, seed: int):
-    """(model, tokenizer), dropout off: `tiny` is built here from the seed, anything else by AutoModelForCausalLM."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer), dropout off. `tiny` is built here from the seed: a character-level tokenizer (RL from a
+    random init finds rewards only in a small action space) and a 2-layer Llama, 128 wide; anything else is a hub id
+    or a local path."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
         raise UserError(f"--model {name} does not exist")
     torch.manual_seed(seed)
-    try:
-        tokenizer = build_tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(name)
-        model = (build_tiny_model(tokenizer) if name == "tiny"
-                 else AutoModelForCausalLM.from_pretrained(name, dtype=dtype))
-    except (OSError, ValueError) as error:
-        raise UserError(f"could not load --model {name}: {str(error).strip().splitlines()[0]}") from None
+    if name == "tiny":
+        vocab = {token: i for i, token in enumerate(TINY_SPECIALS + TINY_CHARS)}
+        core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: a token per character
+        core.add_special_tokens(TINY_SPECIALS)
+        core.decoder = decoders.Fuse()
+        core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                            eos_token="<eos>", unk_token="<unk>", model_max_length=1024)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            intermediate_size=512, max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2))
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        except (OSError, ValueError) as error:
+            raise UserError(f"could not load --model {name}: {str(error).strip().splitlines()[0]}") from None
     for weight in model.parameters():  # not model.to(dtype), which would round the rotary frequencies too
         weight.data = weight.data.to(dtype)
     for module in model.modules():  # dropout would make the trainer's log-probs differ from the sampler's
@@ -415,8 +394,8 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
 
 
 def build_policy(args: Args, dtype: torch.dtype, resume_path: Optional[str], device: torch.device):
-    """(policy, tokenizer, reference, stop ids) on the device. The reference is the initial policy: with LoRA the
-    policy with its adapter disabled, none at --kl-coef 0, else a frozen copy."""
+    """(policy, tokenizer, reference, stop ids) on the device. The reference, the initial policy, is with LoRA the policy
+    with its adapter disabled, else a frozen copy (none at --kl-coef 0)."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers.utils.logging import disable_progress_bar
     disable_progress_bar()  # its bars for loading and saving weights would break into the log's lines
@@ -439,8 +418,7 @@ def build_policy(args: Args, dtype: torch.dtype, resume_path: Optional[str], dev
 
 
 def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None:
-    """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html): each transformer block's fp32 weights
-    are gathered for its forward and freed after; gradients are summed in fp32 (losses are divided by global counts)."""
+    """FSDP2: each transformer block's fp32 weights are gathered for its forward and freed after; gradients summed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -494,13 +472,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pad_id: int, temperature=1.0,
              top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1, stop_together=False,
              vocab_size: Optional[int] = None):
-    """Complete left-padded prompts [B, P] with a KV cache: greedy, or with `generators` (one per group of rows)
-    sampled as argmax(top-k/top-p logits / T + Gumbel noise from the group's stream), an exact sample. Rows come in
-    groups of group_size identical prompts: each is encoded once, its cache copied to its group. stop_together:
-    decode until every process's rows have ended (under FSDP each forward is a collective). Returns completion ids
-    [B, T] (pad after EOS), their mask [B, T] (1 up to and including the first EOS), and the sampler's log-probs
-    [B, T] under the whole softmax(logits / T): top-k/top-p choose the tokens, the loss sees the untruncated policy.
-    """
+    """Complete left-padded prompts [B, P] with a KV cache: greedy, or sampled as argmax(top-k/top-p logits / T +
+    Gumbel noise from each row group's generator). Rows come in groups of group_size identical prompts, each encoded
+    once. stop_together: decode until all processes' rows end (FSDP's forwards are collectives). Returns ids [B, T]
+    (pad after EOS), mask [B, T] (1 up to the first EOS, included), and the sampler's log-probs [B, T] under the
+    whole softmax(logits / T): top-k/top-p choose the tokens, the loss sees the untruncated policy."""
     from transformers import DynamicCache
     batch, cache, unique = prompt_ids.shape[0], DynamicCache(), slice(None, None, group_size)
     eos_ids = torch.tensor(eos_ids, device=prompt_ids.device).reshape(-1)
@@ -540,10 +516,9 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                         with_entropy=False, prompt_of_row: Optional[list[int]] = None,
                         vocab_size: Optional[int] = None):
-    """Log-probs [B, T] (and entropies or None) of the completion tokens, logits kept only at the T positions that
-    predict them (the last completion token is only a target, never fed). prompt_of_row: each row's prompt numbered
-    from 0 in order of appearance (rows of a number share a left-padded prompt); each prompt is then encoded once and
-    its keys and values indexed out to its rows before one pass over the completions."""
+    """Log-probs [B, T] (and entropies or None) of the completion tokens, logits kept at the T positions that predict
+    them. prompt_of_row: each row's prompt numbered from 0 in order of appearance (a number's rows share a prompt),
+    which is then encoded once and its keys and values indexed out to its rows for one pass over the completions."""
     from transformers import DynamicCache
     length = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [B, P+T-1]
@@ -585,36 +560,21 @@ def micro_batches(rows: range, size: int, group_size: int, prompt_lengths: list[
         prompts = [row // group_size - part[0] // group_size for row in part]
         prompt_width = max(prompt_lengths[row // group_size] for row in part)
         shared = share and (len(part) - len(set(prompts))) * prompt_width >= SHARE_MIN_POSITIONS
-        plans.append((slice(part.start, part.stop), slice(-prompt_width, None),
-                      slice(0, full_width or max(completion_lengths[row] for row in part)), prompts if shared else None))
+        completion_width = full_width or max(completion_lengths[row] for row in part)
+        plans.append((slice(part.start, part.stop), slice(-prompt_width, None), slice(0, completion_width),
+                      prompts if shared else None))
     return plans
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, prompts: list[list[int]], answers: list[str], batch_size: int, max_new_tokens: int,
-             eos_ids: list[int], vocab_size: int, stop_together: bool) -> float:
-    """Greedy accuracy (answer reward 1) on held-out prompts; every process evaluates them all."""
-    correct = 0.0
-    for start in range(0, len(prompts), batch_size):
-        ids, mask = left_pad(prompts[start:start + batch_size], tokenizer.pad_token_id, next(model.parameters()).device)
-        completion_ids, completion_mask, _ = generate(model.eval(), ids, mask, max_new_tokens=max_new_tokens,
-                                                      eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                                                      stop_together=stop_together, vocab_size=vocab_size)
-        texts = decode_completions(tokenizer, completion_ids.cpu(), completion_mask.cpu(), eos_ids)
-        correct += sum(answer_reward(text, answer) for text, answer in zip(texts, answers[start:start + batch_size]))
-    model.train()
-    return correct / len(prompts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Processes, checkpoints and flag checks
-
 # dense bf16 TFLOP/s by GPU name, for MFU (the more specific names first)
 PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121,
                "A10G": 70, "4090": 165}
+PHASES = ("generation", "reward", "reference", "update")  # of a step, timed apart
 # the metrics on the console line, and their labels there
-CONSOLE = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo", "clip_frac_high": "clip_hi",
-           "completion_length": "len", "eval_accuracy": "eval_acc", "step_time_s": "dt"}
+CONSOLE = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
+           "clip_frac_high": "clip_hi", "completion_length": "len", "eval_accuracy": "eval_acc", "step_time_s": "dt"}
 # what a checkpoint must share with the run that resumes from it
 RUN_DEFINING = ("model", "data_path", "lora_r", "lora_alpha", "lora_target_modules", "chat_template", "system_prompt",
                 "prompts_per_step", "group_size", "loss_type", "kl_coef", "num_iterations", "num_minibatches", "seed")
@@ -630,14 +590,9 @@ def all_sum(values: dict, device) -> dict:
     return dict(zip(values, summed.tolist()))
 
 
-def checkpoint_steps(output_dir: str) -> list[int]:
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    return sorted(int(name[11:]) for name in names if re.fullmatch(r"checkpoint-\d+", name))
-
-
 def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: Optional[dict] = None) -> None:
-    """Model or adapter, tokenizer and args, and trainer_state.pt given a state: written to path.tmp, then renamed (a
-    kill mid-write leaves no half checkpoint). Every process calls it, for FSDP to gather the shards; rank 0 writes."""
+    """Model or adapter, tokenizer, args and, given a state, trainer_state.pt, written to path.tmp then renamed (a kill
+    leaves no half checkpoint). Every process calls it, for FSDP to gather the shards; rank 0 writes."""
     weights, optimizer_state = None, optimizer.state_dict() if optimizer is not None else None
     if args.fsdp:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -668,9 +623,12 @@ def prepare_output_dir(args: Args, device) -> tuple[str, Optional[str]]:
     resume = args.resume_from
     output_dir = args.output_dir or (os.path.dirname(os.path.abspath(resume)) if resume not in (None, "latest")
                                      else os.path.join("runs", f"grpo__{args.seed}__{int(stamp.item())}"))
-    if resume == "latest" and not checkpoint_steps(output_dir):
-        raise UserError(f"--resume-from latest: no checkpoint-STEP directory in {output_dir}")
-    resume = os.path.join(output_dir, f"checkpoint-{checkpoint_steps(output_dir)[-1]}") if resume == "latest" else resume
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted(int(name[11:]) for name in names if re.fullmatch(r"checkpoint-\d+", name))
+    if resume == "latest":
+        if not steps:
+            raise UserError(f"--resume-from latest: no checkpoint-STEP directory in {output_dir}")
+        resume = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
     if resume is not None:
         if not os.path.isfile(os.path.join(resume, "trainer_state.pt")):
             raise UserError(f"--resume-from {resume} is not a checkpoint written by grpo.py")
@@ -680,11 +638,11 @@ def prepare_output_dir(args: Args, device) -> tuple[str, Optional[str]]:
                   for key in RUN_DEFINING if saved[key] != getattr(args, key)]
         if differ:
             raise UserError(f"--resume-from {resume}: the checkpoint's run differs ({'; '.join(differ)})")
-    elif os.path.exists(os.path.join(output_dir, "metrics.jsonl")) or checkpoint_steps(output_dir):
+    elif "metrics.jsonl" in names or steps:
         if not args.overwrite:
             raise UserError(f"{output_dir} already holds a run: pass --resume-from latest to continue it, "
                             "--overwrite to replace it, or another --output-dir")
-        for name in ["final", *[f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]]:
+        for name in ["final", *[f"checkpoint-{step}" for step in steps]]:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     return output_dir, resume
 
@@ -728,8 +686,6 @@ def check_args(args: Args, world_size: int, device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-
-
 def train(args: Args) -> dict:
     # ---- 1. processes, device, output directory
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -738,7 +694,6 @@ def train(args: Args) -> dict:
     check_args(args, world_size, device)
     if cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo")
     dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
@@ -762,19 +717,27 @@ def train(args: Args) -> dict:
     # ---- 3. logging; the batch layout: a process holds whole groups, its minibatches are runs of them
     logger = RunLogger(output_dir, asdict(args), console_keys=CONSOLE, track=args.track, wandb_project="grpo",
                        run_name=os.path.basename(output_dir), enabled=is_main, append=resume_path is not None)
-    n_params = sum(p.numel() for p in model.parameters())
-    print0(f"model {args.model}: {n_params:,} parameters ({sum(p.numel() for p in trainable):,} trained), {dtype}, "
-           f"{world_size} process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out", enabled=is_main)
+    print0(f"model {args.model}: {(n_params := sum(p.numel() for p in model.parameters())):,} parameters "
+           f"({sum(p.numel() for p in trainable):,} trained), {dtype}, {world_size} process(es); {len(train_rows)} "
+           f"training prompts, {len(eval_rows)} held out", enabled=is_main)
     local_rows = args.prompts_per_step // world_size * args.group_size
     minibatch_rows = local_rows // args.num_minibatches
     minibatches = [range(j * minibatch_rows, (j + 1) * minibatch_rows) for j in range(args.num_minibatches)]
     share_prompts = not (args.gradient_checkpointing or args.fsdp)  # both need one forward pass per micro-batch
     peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), 0) if cuda else 0
 
-    def run_eval() -> float:
-        with amp():
-            return evaluate(model, tokenizer, eval_prompts, [row["answer"] for row in eval_rows], local_rows,
-                            args.max_new_tokens, eos_ids, vocab_size, args.fsdp) if eval_rows else float("nan")
+    @torch.no_grad()
+    def evaluate() -> float:  # greedy accuracy on the held-out prompts; every process evaluates them all
+        correct = 0.0
+        for start in range(0, len(eval_rows), local_rows):
+            ids, mask = left_pad(eval_prompts[start:start + local_rows], tokenizer.pad_token_id, device)
+            with amp():
+                completion_ids, completion_mask, _ = generate(
+                    model.eval(), ids, mask, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids, vocab_size=vocab_size,
+                    pad_id=tokenizer.pad_token_id, stop_together=args.fsdp)
+            texts = decode_completions(tokenizer, completion_ids.cpu(), completion_mask.cpu(), eos_ids)
+            correct += sum(answer_reward(text, row["answer"]) for text, row in zip(texts, eval_rows[start:]))
+        return correct / len(eval_rows) if eval_rows else float("nan")
 
     def clock() -> float:
         if cuda:
@@ -782,7 +745,7 @@ def train(args: Args) -> dict:
         return time.perf_counter()
 
     if not resume_path and eval_rows:
-        eval_accuracy = run_eval()
+        eval_accuracy = evaluate()
         logger.log(0, {"eval_accuracy": eval_accuracy})
     eval_accuracy_start, stop_signals, history, run_start, stopped = eval_accuracy, [], [], time.perf_counter(), False
     handlers = {sig: signal.signal(sig, lambda sig, frame: stop_signals.append(sig))
@@ -812,8 +775,8 @@ def train(args: Args) -> dict:
             completions = decode_completions(tokenizer, completion_ids.cpu(), completion_mask.cpu(), eos_ids)
             rows = [train_rows[i] for i in chosen for _ in range(args.group_size)]
             rewards = compute_rewards([r["prompt"] for r in rows], completions, [r["answer"] for r in rows], reward_fns)
-            accuracy = rewards.get("answer", torch.tensor([answer_reward(c, r["answer"])
-                                                           for c, r in zip(completions, rows)]))
+            accuracy = rewards["answer"] if "answer" in rewards else torch.tensor(
+                [answer_reward(c, r["answer"]) for c, r in zip(completions, rows)])
             total = sum(weight * rewards[name] for name, _, weight in reward_fns)
             t_rewarded = clock()
 
@@ -843,7 +806,7 @@ def train(args: Args) -> dict:
                                                args.temperature, with_entropy, prompt_of_row, vocab_size)
 
             with torch.no_grad():
-                with model.disable_adapter() if args.lora_r else torch.no_grad():  # (a no-op: no_grad already)
+                with model.disable_adapter() if args.lora_r else contextlib.nullcontext():
                     for plan in itertools.chain(*plans) if args.kl_coef else ():
                         ref_logp[plan[0], plan[2]] = logprobs(model if reference is None else reference, *plan)[0]
                 for plan in itertools.chain(*plans[1:]):
@@ -919,7 +882,7 @@ def train(args: Args) -> dict:
                 flops = 2 * n_params * passes * (sums["prompt_tokens"] + sums["generated"])
                 metrics["mfu"] = flops / world_size / metrics["step_time_s"] / (peak_tflops * 1e12)
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
-                eval_accuracy = metrics["eval_accuracy"] = run_eval()
+                eval_accuracy = metrics["eval_accuracy"] = evaluate()
             logger.log(step + 1, metrics)
             history.append(metrics)
             stopped = sums["stop"] > 0  # a signal stops every process after the same step
@@ -938,7 +901,7 @@ def train(args: Args) -> dict:
     # ---- 4. final model, evaluation, benchmark summary (the first step, which warms up, left out of the means)
     if not stopped:
         save_run(os.path.join(output_dir, "final"), model, tokenizer, args)
-        eval_accuracy = run_eval()
+        eval_accuracy = evaluate()
         if eval_rows:
             logger.log(start_step + len(history), {"eval_accuracy": eval_accuracy})
     timed = history[1:] or history
@@ -949,8 +912,7 @@ def train(args: Args) -> dict:
     summary = {
         "steps": start_step + len(history), "interrupted": stopped, "total_time_s": time.perf_counter() - run_start,
         "step_time_s_mean": total("step_time_s") / max(len(timed), 1),
-        **{f"{part}_time_s": sum(m[f"{part}_time_s"] for m in history) for part in ("generation", "reward",
-                                                                                  "reference", "update")},
+        **{f"{part}_time_s": sum(m[f"{part}_time_s"] for m in history) for part in PHASES},
         "generated_tokens_per_s": total("generated_tokens") / total("generation_time_s"),
         "trained_tokens_per_s": total("trained_tokens") / total("update_time_s"),
         "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda
