@@ -175,9 +175,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[tor
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False, rows_per_chunk: int = 16, vocab_size: Optional[int] = None):
-    """log softmax(logits / T)[target] in fp32 for logits [B, T, V] and targets [B, T], a few rows at a time (without
-    gradients only a chunk of the logits is ever in fp32). Returns logp [B, T] and the entropy [B, T] or None.
-    vocab_size: the softmax covers the first vocab_size logits only (the tokenizer's ids, which the sampler draws)."""
+    """log softmax(logits / T)[target] in fp32 of logits [B, T, V], a few rows at a time (without gradients only a
+    chunk is in fp32), over the first vocab_size ids (those the sampler draws): logp [B, T], entropy [B, T] or None."""
     logps, entropies = [], []
     for start in range(0, logits.shape[0], rows_per_chunk):
         chunk = logits[start:start + rows_per_chunk, :, :vocab_size].float()
@@ -212,8 +211,7 @@ def builtin_task(seed: int) -> tuple[list[dict], list[dict]]:
 def load_jsonl(path: str) -> list[dict]:
     """Rows {"prompt": str, "answer": str or number}; a row that is not one is an error naming its line."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        lines = open(path, encoding="utf-8").read().splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read data file {path}: {getattr(error, 'strerror', None) or error}") from None
     rows = []
@@ -319,8 +317,8 @@ def format_reward(completion: str, answer: str) -> float:
 
 
 def compute_rewards(prompts: list[str], completions: list[str], answers: list[str], reward_fns: list) -> dict:
-    """{name: [B] tensor} of each reward: fn(completion, answer) per sample, or fn(prompts, completions) for the
-    whole batch ("prm"). A reward that raises or is not finite stops the run with the sample named."""
+    """{name: [B] tensor}: fn(completion, answer) per sample, or "prm"'s fn(prompts, completions). A reward that
+    raises or is not finite stops the run, naming the sample."""
     values = {}
     for name, fn, _ in reward_fns:
         values[name] = fn(prompts, completions) if name == "prm" else []
@@ -356,11 +354,11 @@ def make_reward_fns(args: Args, device) -> list[tuple]:
 # ---------------------------------------------------------------------------------------------------------------
 # Model, rollout and log-probs
 def load_model(name: str, dtype: torch.dtype, seed: int):
-    """(model, tokenizer), dropout off. `tiny` is built here from the seed: a character-level tokenizer (RL from a
-    random init finds rewards only in a small action space) and a 2-layer Llama, 128 wide; anything else is a hub id
-    or a local path."""
+    """(model, tokenizer), dropout off: a hub id or local path, or `tiny`, built from the seed: a 2-layer Llama on a
+    character-level tokenizer (RL from a random init finds rewards only in a small action space)."""
     from tokenizers import Tokenizer, decoders, models, processors
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                              PreTrainedTokenizerFast)
     if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
         raise UserError(f"--model {name} does not exist")
     torch.manual_seed(seed)
@@ -372,10 +370,9 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
         core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
                                             eos_token="<eos>", unk_token="<unk>", model_max_length=1024)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-            intermediate_size=512, max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0,
-            bos_token_id=1, eos_token_id=2))
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=512, max_position_embeddings=256,
+                                             tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
@@ -394,8 +391,8 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
 
 
 def build_policy(args: Args, dtype: torch.dtype, resume_path: Optional[str], device: torch.device):
-    """(policy, tokenizer, reference, stop ids) on the device. The reference, the initial policy, is with LoRA the policy
-    with its adapter disabled, else a frozen copy (none at --kl-coef 0)."""
+    """(policy, tokenizer, reference, stop ids) on the device. The reference is the initial policy: the policy with its
+    LoRA adapter disabled, or a frozen copy (none at --kl-coef 0)."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers.utils.logging import disable_progress_bar
     disable_progress_bar()  # its bars for loading and saving weights would break into the log's lines
@@ -472,11 +469,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pad_id: int, temperature=1.0,
              top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1, stop_together=False,
              vocab_size: Optional[int] = None):
-    """Complete left-padded prompts [B, P] with a KV cache: greedy, or sampled as argmax(top-k/top-p logits / T +
-    Gumbel noise from each row group's generator). Rows come in groups of group_size identical prompts, each encoded
-    once. stop_together: decode until all processes' rows end (FSDP's forwards are collectives). Returns ids [B, T]
-    (pad after EOS), mask [B, T] (1 up to the first EOS, included), and the sampler's log-probs [B, T] under the
-    whole softmax(logits / T): top-k/top-p choose the tokens, the loss sees the untruncated policy."""
+    """Complete left-padded prompts [B, P] with a KV cache, greedily or as argmax(top-k/top-p logits / T + Gumbel noise
+    of each row group's generator), each of the groups of group_size identical prompts encoded once. stop_together:
+    until every process's rows end (FSDP's forwards are collectives). Returns ids [B, T] (pad after EOS), mask [B, T]
+    (1 to the first EOS, included) and log-probs [B, T] under the whole softmax(logits / T), which the loss sees."""
     from transformers import DynamicCache
     batch, cache, unique = prompt_ids.shape[0], DynamicCache(), slice(None, None, group_size)
     eos_ids = torch.tensor(eos_ids, device=prompt_ids.device).reshape(-1)
@@ -677,8 +673,8 @@ def check_args(args: Args, world_size: int, device: torch.device) -> None:
         f"--num-minibatches {args.num_minibatches}": args.prompts_per_step % (world_size * args.num_minibatches),
         f"--micro-batch-size {args.micro_batch_size} must divide the {local_rows} completions of a process's "
         "minibatch": args.micro_batch_size < 0 or (args.micro_batch_size > 0 and local_rows % args.micro_batch_size),
-        "--fsdp needs CUDA GPUs and torchrun": args.fsdp and (device.type not in FSDP_DEVICE_TYPES
-                                                             or "WORLD_SIZE" not in os.environ),
+        "--fsdp needs CUDA GPUs and torchrun": args.fsdp and (
+            device.type not in FSDP_DEVICE_TYPES or "WORLD_SIZE" not in os.environ),
     }
     for message, wrong in problems.items():
         if wrong:
