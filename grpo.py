@@ -42,6 +42,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp
 import tyro
 
 from common import RunLogger, print0, seed_everything
@@ -589,15 +590,10 @@ def all_sum(values: dict, device) -> dict:
 def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: Optional[dict] = None) -> None:
     """Model or adapter, tokenizer, args and, given a state, trainer_state.pt, written to path.tmp then renamed (a kill
     leaves no half checkpoint). Every process calls it, for FSDP to gather the shards; rank 0 writes."""
-    weights, optimizer_state = None, optimizer.state_dict() if optimizer is not None else None
-    if args.fsdp:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(dict(model.named_parameters()))
-        weights = {k: v for k, v in get_model_state_dict(model, options=options).items() if k not in tied}
-        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer else None
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, from FSDP's shards too
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(dict(model.named_parameters()))
+    weights = {k: v for k, v in dcp.get_model_state_dict(model, options=options).items() if k not in tied}
+    optimizer_state = dcp.get_optimizer_state_dict(model, optimizer, options=options) if optimizer else None
     if int(os.environ.get("RANK", 0)) != 0:
         return
     shutil.rmtree(path + ".tmp", ignore_errors=True)
@@ -646,11 +642,8 @@ def prepare_output_dir(args: Args, device) -> tuple[str, Optional[str]]:
 def restore(path: str, output_dir: str, model, optimizer, args: Args) -> tuple[int, float, int]:
     """The optimiser state of a checkpoint, metrics.jsonl cut back to its step; (step, first eval, skipped updates)."""
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-    if args.fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(state["optimizer"])
+    dcp.set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                                 options=dcp.StateDictOptions(full_state_dict=args.fsdp))  # each shard its part
     torch.set_rng_state(state["rng"])
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
     if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(metrics_path):  # later rows: of a run being redone
