@@ -549,15 +549,15 @@ SHARE_MIN_POSITIONS = 128
 
 
 def micro_batches(rows: range, size: int, group_size: int, prompt_lengths: list[int], completion_lengths: list[int],
-                  share: bool, full_width: Optional[int]) -> list[tuple]:
+                  share: bool) -> list[tuple]:
     """(rows, prompt columns, completion columns, prompt_of_row) of each micro-batch of consecutive rows, cut to its
-    longest prompt and completion (full_width: all completion columns, as FSDP's equal passes need)."""
+    longest prompt and completion: columns of padding alone change no log-prob."""
     plans = []
     for part in (range(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)):
         prompts = [row // group_size - part[0] // group_size for row in part]
         prompt_width = max(prompt_lengths[row // group_size] for row in part)
         shared = share and (len(part) - len(set(prompts))) * prompt_width >= SHARE_MIN_POSITIONS
-        completion_width = full_width or max(completion_lengths[row] for row in part)
+        completion_width = max(completion_lengths[row] for row in part)
         plans.append((slice(part.start, part.stop), slice(-prompt_width, None), slice(0, completion_width),
                       prompts if shared else None))
     return plans
@@ -617,13 +617,10 @@ def prepare_output_dir(args: Args, device) -> tuple[str, Optional[str]]:
                                      else os.path.join("runs", f"grpo__{args.seed}__{int(stamp.item())}"))
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     steps = sorted(int(name[11:]) for name in names if re.fullmatch(r"checkpoint-\d+", name))
-    if resume == "latest":
-        if not steps:
-            raise UserError(f"--resume-from latest: no checkpoint-STEP directory in {output_dir}")
-        resume = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
+    resume = os.path.join(output_dir, f"checkpoint-{(steps or [0])[-1]}") if resume == "latest" else resume
     if resume is not None:
         if not os.path.isfile(os.path.join(resume, "trainer_state.pt")):
-            raise UserError(f"--resume-from {resume} is not a checkpoint written by grpo.py")
+            raise UserError(f"--resume-from {args.resume_from}: no checkpoint of grpo.py at {resume}")
         with open(os.path.join(resume, "args.json")) as f:
             saved = json.load(f)
         differ = [f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
@@ -706,9 +703,9 @@ def train(args: Args) -> dict:
     # ---- 3. logging; the batch layout: a process holds whole groups, its minibatches are runs of them
     logger = RunLogger(output_dir, asdict(args), console_keys=CONSOLE, track=args.track, wandb_project="grpo",
                        run_name=os.path.basename(output_dir), enabled=is_main, append=resume_path is not None)
-    print0(f"model {args.model}: {(n_params := sum(p.numel() for p in model.parameters())):,} parameters "
-           f"({sum(p.numel() for p in trainable):,} trained), {dtype}, {world_size} process(es); {len(train_rows)} "
-           f"training prompts, {len(eval_rows)} held out", enabled=is_main)
+    n_params = sum(p.numel() for p in model.parameters())
+    print0(f"model {args.model}: {n_params:,} parameters ({sum(p.numel() for p in trainable):,} trained), {dtype}, "
+           f"{world_size} process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out", enabled=is_main)
     local_rows = args.prompts_per_step // world_size * args.group_size
     minibatch_rows = local_rows // args.num_minibatches
     minibatches = [range(j * minibatch_rows, (j + 1) * minibatch_rows) for j in range(args.num_minibatches)]
@@ -784,8 +781,7 @@ def train(args: Args) -> dict:
             # forward; an update moves the policy that later minibatches must not be scored with: theirs are taken now
             plans = [micro_batches(rows_j, args.micro_batch_size or minibatch_rows, args.group_size,
                                    [len(train_prompts[i]) for i in chosen], completion_mask.sum(1).tolist(),
-                                   share_prompts, completion_ids.shape[1] if args.fsdp else None)
-                     for rows_j in minibatches]
+                                   share_prompts) for rows_j in minibatches]
             ref_logp, old_logp = torch.zeros_like(sampler_logp), torch.zeros_like(sampler_logp)
 
             def logprobs(policy, rows_mb, p_cols, c_cols, prompt_of_row, with_entropy=False):
@@ -826,12 +822,10 @@ def train(args: Args) -> dict:
                         stats.update(entropy=(entropy * mask).sum() / tokens.clamp(min=1.0), tokens=torch.ones(()))
                         for key, value in stats.items():
                             stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
-                if distributed and not args.fsdp:  # every gradient summed in one flat all-reduce (FSDP has done it)
-                    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                      for p in trainable])
-                    dist.all_reduce(flat)
-                    for p, grad in zip(trainable, torch.split(flat, [p.numel() for p in trainable])):
-                        p.grad = grad.view_as(p)
+                if distributed and not args.fsdp:  # gradients summed over processes (FSDP has done it)
+                    for p in trainable:
+                        p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                        dist.all_reduce(p.grad)
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm or float("inf"))
                 grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
                 if math.isfinite(grad_norms[-1]):  # the same on every process: the gradients are summed
@@ -859,8 +853,7 @@ def train(args: Args) -> dict:
                 "loss": sums["loss"], "grad_norm": np.mean(grad_norms[-args.num_minibatches:]),
                 **{key: sums[key] / max(sums["tokens"], 1.0) for key in stat_sums if key != "tokens"},
                 "completion_length": sums["generated"] / scores.shape[1],
-                "truncated_frac": sums["truncated"] / scores.shape[1],
-                "logp_gap_mean": sums["gap"] / sums["generated"],
+                "truncated_frac": sums["truncated"] / scores.shape[1], "logp_gap_mean": sums["gap"] / sums["generated"],
                 "generated_tokens": sums["generated"], "trained_tokens": sums["trained_tokens"],
                 "generation_time_s": t_generated - t_start, "reward_time_s": t_rewarded - t_generated,
                 "reference_time_s": t_referenced - t_rewarded, "update_time_s": t_updated - t_referenced,
