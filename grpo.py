@@ -826,7 +826,7 @@ def train(args: Args) -> dict:
                     for p in trainable:
                         p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
                         dist.all_reduce(p.grad)
-                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm or float("inf"))
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max(args.max_grad_norm, 0) or math.inf)
                 grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
                 if math.isfinite(grad_norms[-1]):  # the same on every process: the gradients are summed
                     optimizer.step()
