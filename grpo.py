@@ -791,9 +791,10 @@ def train(args: Args) -> dict:
                                                args.temperature, with_entropy, prompt_of_row, vocab_size)
 
             with torch.no_grad():
-                with model.disable_adapter() if args.lora_r else contextlib.nullcontext():
-                    for plan in itertools.chain(*plans) if args.kl_coef else ():
-                        ref_logp[plan[0], plan[2]] = logprobs(model if reference is None else reference, *plan)[0]
+                if args.kl_coef:
+                    with model.disable_adapter() if args.lora_r else contextlib.nullcontext():
+                        for plan in itertools.chain(*plans):
+                            ref_logp[plan[0], plan[2]] = logprobs(model if reference is None else reference, *plan)[0]
                 for plan in itertools.chain(*plans[1:]):
                     old_logp[plan[0], plan[2]] = logprobs(model, *plan)[0]
             t_referenced = clock()
