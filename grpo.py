@@ -10,8 +10,8 @@ Where this file departs from the paper:
 2. `--loss-type` picks the aggregation; every normaliser counts the whole (mini)batch, over micro-batches and
    processes, so the update does not depend on how the batch is split.
 3. `--scale-rewards batch` (the default) divides advantages by the batch's reward std instead of each group's.
-4. Each prompt's completions come from a random stream keyed by (seed, step, prompt): a resumed or multi-process
-   run samples what one uninterrupted process would.
+4. Each prompt's completions draw from a random stream keyed by (seed, step, prompt): a resumed or multi-process
+   run draws the same random numbers as one uninterrupted process.
 
 Run it:
     python grpo.py                                    # tiny model, built-in task, CPU, about a minute
@@ -22,7 +22,6 @@ Run it:
     torchrun --standalone --nproc_per_node 8 grpo.py --fsdp --model Qwen/Qwen2.5-7B-Instruct ...   # sharded
 """
 
-import contextlib
 import functools
 import itertools
 import json
@@ -94,11 +93,10 @@ class Args:
     resume_from: Optional[str] = None  # a checkpoint-STEP directory, or `latest` in --output-dir, to continue from
     overwrite: bool = False  # replace a run already in --output-dir
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, more compute)
-    fsdp: bool = False  # shard weights, gradients and optimiser state over processes with FSDP2 (CUDA, torchrun)
+    fsdp: bool = False  # shard weights, gradients and optimiser state over processes with FSDP2 (under torchrun)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Kernels: tensors in, tensors out. The tests import these.
+# ---- Kernels: tensors in, tensors out. The tests import these.
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
     """A_i = (r_i - mean(group)) / (std + eps) for rewards [B] laid out group after group, with Bessel's std (as TRL and
     verl) of the group, the batch, or none (Dr. GRPO). Equal rewards get exactly 0: they tell nothing apart."""
@@ -113,11 +111,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) from tokens of pi (http://joschu.net/blog/kl-approx.html), x = ref_logp - logp:
-    k1 = -x, k2 = x^2 / 2, k3 = exp(x) - x - 1 (>= 0). As losses, k3's gradient averages to KL(pi_ref || pi)'s, k2's
-    to KL(pi || pi_ref)'s, k1's to 0 (https://arxiv.org/abs/2505.17508)."""
+    """Per-token KL(pi || pi_ref) from tokens of pi, x = ref_logp - logp (http://joschu.net/blog/kl-approx.html):
+    k1 = -x, k2 = x^2/2, k3 = e^x - x - 1; as losses, k3's gradient is KL(pi_ref || pi)'s, k2's KL(pi || pi_ref)'s."""
     x = ref_logp - logp
-    return {"k1": lambda: -x, "k2": lambda: 0.5 * x**2, "k3": lambda: torch.expm1(x) - x}[estimator]()  # expm1: exact
+    return {"k1": -x, "k2": 0.5 * x**2, "k3": torch.expm1(x) - x}[estimator]  # expm1: exact near 0
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor], advantages: torch.Tensor,
@@ -125,20 +122,13 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[tor
               loss_type: str = "grpo", max_completion_length: Optional[int] = None, delta: Optional[float] = None,
               importance_sampling: str = "token", kl_estimator: str = "k3", kl_ratio_weighted: bool = False,
               total_sequences: Optional[int] = None, total_tokens: Optional[float] = None) -> tuple[torch.Tensor, dict]:
-    """Clipped GRPO surrogate plus a KL penalty, aggregated over the batch.
-
-    logp, old_logp, ref_logp, mask [B, T] (mask 1 on completion tokens, EOS included); advantages [B]. Per token
-    l = -min(r' A, clip(r, 1-eps_low, 1+eps_high) A) + kl_coef KL, r = exp(logp - old_logp), r' = min(r, delta), KL
-    times r with kl_ratio_weighted; GSPO (importance_sampling "sequence") gives row i's tokens r_i = exp(mean_t log r).
-    With N sequences (fully masked rows too) and M tokens in the whole batch:
-        grpo:        (1/N) sum_i [sum_t l_it m_it / sum_t m_it]
-        bnpo, dapo:  sum_it l_it m_it / M
-        dr_grpo:     sum_it l_it m_it / (N * max_completion_length)
-    A call may see a part of the batch (a micro-batch, a process's share): given the whole batch's total_sequences
-    (N) and total_tokens (M), the parts' losses sum to the whole batch's loss and gradient.
-    stats, detached token means over this part whatever loss_type: ratio_mean, clip_frac_low (A<0, r below
-    1-eps_low), clip_frac_high (A>0, r above 1+eps_high; or A<0, r above delta), pg_loss, kl_mean (with a
-    reference), and tokens (this part's count, to weight the parts).
+    """Clipped GRPO surrogate plus a KL penalty. logp, old_logp, ref_logp, mask [B, T] (1 on completion tokens, EOS
+    included); advantages [B]. Per token l = -min(min(r, delta) A, clip(r, 1-eps_low, 1+eps_high) A) + kl_coef KL,
+    r = exp(logp - old_logp) (GSPO: exp(mean_t log r) for a whole row), KL times r with kl_ratio_weighted.
+    With N sequences and M tokens in the whole batch: grpo (1/N) sum_i [sum_t l m / sum_t m]; bnpo, dapo
+    sum l m / M; dr_grpo sum l m / (N max_completion_length). Given the batch's N and M (total_sequences,
+    total_tokens), a part's losses (a micro-batch, a process's share) sum to the batch's. stats: token means over this
+    part of ratio, clip fractions (low: A<0, r < 1-eps_low; high: A>0, r > 1+eps_high or A<0, r > delta), pg_loss, KL.
     """
     dtype = torch.promote_types(logp.dtype, torch.float32)  # a bf16 mask would count 501 tokens as 500
     logp, old_logp, advantages, mask = logp.to(dtype), old_logp.to(dtype), advantages.to(dtype), mask.to(dtype)
@@ -169,7 +159,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[tor
         tokens = mask.sum()
         high = ((adv > 0) & (ratio > 1.0 + clip_eps_high)) | ((adv < 0) & (ratio > (delta or math.inf)))
         per_token = {"ratio_mean": ratio, "clip_frac_low": ((adv < 0) & (ratio < 1.0 - clip_eps_low)).to(dtype),
-                     "clip_frac_high": high.to(dtype), "pg_loss": pg_loss, **({} if kl is None else {"kl_mean": kl})}
+                     "clip_frac_high": high.to(dtype), "pg_loss": pg_loss}
+        if kl is not None:
+            per_token["kl_mean"] = kl
         stats = {name: (value * mask).sum() / tokens.clamp(min=1.0) for name, value in per_token.items()}
     return loss, {**stats, "tokens": tokens}
 
@@ -189,13 +181,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Task, data and rewards
-# The built-in task: the last digit of N + 7 for a 3-digit N, e.g. "(358+7)%10=" -> "5". A constant answer is right
-# one time in ten, and held-out numbers are never trained on: the policy must learn the map from N's units digit.
+# ---- Task, data and rewards
 TINY_CHARS = list("0123456789+-*/%()= ")
 TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-BUILTIN_HELD_OUT = 200
 
 
 class UserError(Exception):
@@ -203,10 +191,10 @@ class UserError(Exception):
 
 
 def builtin_task(seed: int) -> tuple[list[dict], list[dict]]:
-    """The 900 prompts, split by a seeded shuffle into training rows and BUILTIN_HELD_OUT held-out rows."""
+    """The last digit of N + 7, "(358+7)%10=" -> "5": 700 N to train on, 200 never trained on to evaluate."""
     rows = [{"prompt": f"({n}+7)%10=", "answer": str((n + 7) % 10)} for n in range(100, 1000)]
     random.Random(seed).shuffle(rows)
-    return rows[BUILTIN_HELD_OUT:], rows[:BUILTIN_HELD_OUT]
+    return rows[200:], rows[:200]
 
 
 def load_jsonl(path: str) -> list[dict]:
@@ -226,8 +214,7 @@ def load_jsonl(path: str) -> list[dict]:
         if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
                 and isinstance(row.get("answer"), (str, int, float))):
             hint = ' (it has "question": rename it to "prompt")' if isinstance(row, dict) and "question" in row else ""
-            raise UserError(f'{path}:{number}: each row needs a string "prompt" and an "answer", a string or a number'
-                            + hint)
+            raise UserError(f'{path}:{number}: a row needs a string "prompt" and a string or number "answer"{hint}')
         rows.append({"prompt": row["prompt"], "answer": str(row["answer"]), "where": f"{path}:{number}"})
     if not rows:
         raise UserError(f"{path} holds no rows")
@@ -318,26 +305,27 @@ def format_reward(completion: str, answer: str) -> float:
 
 
 def compute_rewards(prompts: list[str], completions: list[str], answers: list[str], reward_fns: list) -> dict:
-    """{name: [B] tensor}: fn(completion, answer) per sample, or "prm"'s fn(prompts, completions). A reward that
-    raises or is not finite stops the run, naming the sample."""
+    """{name: [B] tensor} of fn(completion, answer) per sample; one that raises or is not finite names the sample."""
     values = {}
     for name, fn, _ in reward_fns:
-        values[name] = fn(prompts, completions) if name == "prm" else []
-        for completion, answer in zip(completions, answers) if name != "prm" else ():
+        if name == "prm":  # one call for the batch; its scores are probabilities
+            values[name] = fn(prompts, completions)
+            continue
+        values[name] = []
+        for completion, answer in zip(completions, answers):
             try:
-                values[name].append(float(fn(completion, answer)))
+                value = float(fn(completion, answer))
             except Exception as error:
                 raise UserError(f"reward {name} raised {error!r} on completion {completion[:200]!r}") from error
-        for value, completion, answer in zip(values[name], completions, answers):
             if not math.isfinite(value):
                 raise UserError(f"reward {name} is {value} on completion {completion[:200]!r}, answer {answer!r}")
+            values[name].append(value)
     return {name: torch.tensor(scores, dtype=torch.float32) for name, scores in values.items()}
 
 
 def make_reward_fns(args: Args, device) -> list[tuple]:
     """(name, function, weight) of each reward in use. A reward of your own: append its triple here."""
     fns = [("answer", answer_reward, args.answer_reward_weight), ("format", format_reward, args.format_reward_weight)]
-    fns = [fn for fn in fns if fn[2]]
     if args.prm_path is not None:
         import prm  # prm.py, beside this file
         scorer = prm.load_prm(args.prm_path, device=device)
@@ -352,11 +340,9 @@ def make_reward_fns(args: Args, device) -> list[tuple]:
     return fns
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Model, rollout and log-probs
+# ---- Model, rollout and log-probs
 def load_model(name: str, dtype: torch.dtype, seed: int):
-    """(model, tokenizer), dropout off: a hub id or local path, or `tiny`, built from the seed: a 2-layer Llama on a
-    character-level tokenizer (RL from a random init finds rewards only in a small action space)."""
+    """(model, tokenizer), dropout off, from a hub id, a path, or `tiny`: a seeded 2-layer Llama on characters."""
     from tokenizers import Tokenizer, decoders, models, processors
     from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                               PreTrainedTokenizerFast)
@@ -392,8 +378,8 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
 
 
 def build_policy(args: Args, dtype: torch.dtype, resume_path: Optional[str], device: torch.device):
-    """(policy, tokenizer, reference, stop ids) on the device. The reference is the initial policy: the policy with its
-    LoRA adapter disabled, or a frozen copy (none at --kl-coef 0)."""
+    """(policy, tokenizer, reference, stop ids) on the device; the reference, a frozen copy of the policy, is None for
+    LoRA (the adapter disabled is the initial policy) and at --kl-coef 0."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers.utils.logging import disable_progress_bar
     disable_progress_bar()  # its bars for loading and saving weights would break into the log's lines
@@ -407,7 +393,10 @@ def build_policy(args: Args, dtype: torch.dtype, resume_path: Optional[str], dev
                               target_modules=targets if targets == "all-linear" else targets.split(",")))
     reference = load_model(args.model, weights, args.seed)[0].eval() if args.kl_coef and not args.lora_r else None
     for module in [m for m in (model, reference) if m is not None]:
-        shard_model(module, device, dtype) if args.fsdp else module.to(device)
+        if args.fsdp:
+            shard_model(module, device, dtype)
+        else:
+            module.to(device)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     configured = model.generation_config.eos_token_id  # chat models end a turn with any of several
@@ -470,10 +459,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pad_id: int, temperature=1.0,
              top_p=1.0, top_k=0, generators: Optional[list] = None, group_size: int = 1, stop_together=False,
              vocab_size: Optional[int] = None):
-    """Complete left-padded prompts [B, P] with a KV cache, greedily or as argmax(top-k/top-p logits / T + Gumbel noise
-    of each row group's generator), each of the groups of group_size identical prompts encoded once. stop_together:
-    until every process's rows end (FSDP's forwards are collectives). Returns ids [B, T] (pad after EOS), mask [B, T]
-    (1 to the first EOS, included) and log-probs [B, T] under the whole softmax(logits / T), which the loss sees."""
+    """Complete left-padded prompts [B, P], each group_size copies of a prompt encoded once, with a KV cache: greedily,
+    or argmax(filtered logits / T + Gumbel noise from each group's generator). stop_together: until every process is
+    done (FSDP's forwards are collectives). ids [B, T], mask [B, T] (to EOS, included), log-probs under softmax(l/T)."""
     from transformers import DynamicCache
     batch, cache, unique = prompt_ids.shape[0], DynamicCache(), slice(None, None, group_size)
     eos_ids = torch.tensor(eos_ids, device=prompt_ids.device).reshape(-1)
@@ -513,9 +501,8 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                         with_entropy=False, prompt_of_row: Optional[list[int]] = None,
                         vocab_size: Optional[int] = None):
-    """Log-probs [B, T] (and entropies or None) of the completion tokens, logits kept at the T positions that predict
-    them. prompt_of_row: each row's prompt numbered from 0 in order of appearance (a number's rows share a prompt),
-    which is then encoded once and its keys and values indexed out to its rows for one pass over the completions."""
+    """Log-probs [B, T] (and entropies or None) of the completion tokens. prompt_of_row: each row's prompt, numbered
+    from 0 as they appear; each prompt is then encoded once, its keys and values copied to its rows' completions."""
     from transformers import DynamicCache
     length = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [B, P+T-1]
@@ -543,15 +530,12 @@ def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids: list
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths.tolist())])
 
 
-# a micro-batch encodes each prompt once when that skips at least this many prompt positions (below, the second
-# forward call costs about what it saves; with 69-token prompts it makes steps 2.8x faster than TRL's)
-SHARE_MIN_POSITIONS = 128
+SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to encode each prompt once (2.4x, long prompts)
 
 
 def micro_batches(rows: range, size: int, group_size: int, prompt_lengths: list[int], completion_lengths: list[int],
                   share: bool) -> list[tuple]:
-    """(rows, prompt columns, completion columns, prompt_of_row) of each micro-batch of consecutive rows, cut to its
-    longest prompt and completion: columns of padding alone change no log-prob."""
+    """(rows, prompt columns, completion columns, prompt_of_row) per micro-batch, cut to its longest rows."""
     plans = []
     for part in (range(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)):
         prompts = [row // group_size - part[0] // group_size for row in part]
@@ -563,20 +547,17 @@ def micro_batches(rows: range, size: int, group_size: int, prompt_lengths: list[
     return plans
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Processes, checkpoints and flag checks
+# ---- Processes, checkpoints and flag checks
 # dense bf16 TFLOP/s by GPU name, for MFU (the more specific names first)
 PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121,
                "A10G": 70, "4090": 165}
 PHASES = ("generation", "reward", "reference", "update")  # of a step, timed apart
-# the metrics on the console line, and their labels there
 CONSOLE = {"reward": "reward", "accuracy": "acc", "kl_mean": "kl", "clip_frac_low": "clip_lo",
            "clip_frac_high": "clip_hi", "completion_length": "len", "eval_accuracy": "eval_acc", "step_time_s": "dt"}
 # what a checkpoint must share with the run that resumes from it
 RUN_DEFINING = ("model", "data_path", "lora_r", "lora_alpha", "lora_target_modules", "chat_template", "system_prompt",
-                "prompts_per_step", "group_size", "loss_type", "kl_coef", "num_iterations", "num_minibatches", "seed")
-# FSDP2 also runs on CPU over gloo, which the tests use (tests/fsdp_on_cpu.py); users get an error there
-FSDP_DEVICE_TYPES = ("cuda",)
+                "prompts_per_step", "group_size", "loss_type", "kl_coef", "learning_rate", "num_iterations",
+                "num_minibatches", "seed")
 
 
 def all_sum(values: dict, device) -> dict:
@@ -621,8 +602,7 @@ def prepare_output_dir(args: Args, device) -> tuple[str, Optional[str]]:
     if resume is not None:
         if not os.path.isfile(os.path.join(resume, "trainer_state.pt")):
             raise UserError(f"--resume-from {args.resume_from}: no checkpoint of grpo.py at {resume}")
-        with open(os.path.join(resume, "args.json")) as f:
-            saved = json.load(f)
+        saved = json.loads(open(os.path.join(resume, "args.json")).read())
         differ = [f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
                   for key in RUN_DEFINING if saved[key] != getattr(args, key)]
         if differ:
@@ -644,10 +624,8 @@ def restore(path: str, output_dir: str, model, optimizer, args: Args) -> tuple[i
     torch.set_rng_state(state["rng"])
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
     if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(metrics_path):  # later rows: of a run being redone
-        with open(metrics_path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= state["step"]]
+        open(metrics_path, "w").writelines(kept)
     return state["step"], state["eval_accuracy_start"], state["skipped"]
 
 
@@ -656,22 +634,20 @@ def check_args(args: Args, world_size: int, device: torch.device) -> None:
     local_rows = args.prompts_per_step // world_size * args.group_size // args.num_minibatches
     problems = {
         "--group-size must be at least 2: advantages compare the completions of a prompt": args.group_size < 2,
-        "--clip-eps-low and --clip-eps-high must be in (0, 1)": not (0 < args.clip_eps_low < 1
-                                                                     and 0 < args.clip_eps_high < 1),
+        "--clip-eps-low/high must be in (0, 1)": not 0 < args.clip_eps_low < 1 or not 0 < args.clip_eps_high < 1,
         "--learning-rate and --temperature must be above 0": args.learning_rate <= 0 or args.temperature <= 0,
+        "--top-p must be in (0, 1]": not 0 < args.top_p <= 1,
         f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world_size} processes times "
         f"--num-minibatches {args.num_minibatches}": args.prompts_per_step % (world_size * args.num_minibatches),
         f"--micro-batch-size {args.micro_batch_size} must divide the {local_rows} completions of a process's "
         "minibatch": args.micro_batch_size < 0 or (args.micro_batch_size > 0 and local_rows % args.micro_batch_size),
-        "--fsdp needs CUDA GPUs and torchrun": args.fsdp and (
-            device.type not in FSDP_DEVICE_TYPES or "WORLD_SIZE" not in os.environ),
+        "--fsdp needs a launch by torchrun": args.fsdp and "WORLD_SIZE" not in os.environ,
     }
     for message, wrong in problems.items():
         if wrong:
             raise UserError(message)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 def train(args: Args) -> dict:
     # ---- 1. processes, device, output directory
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -739,21 +715,20 @@ def train(args: Args) -> dict:
     try:
         for step in range(start_step, args.total_steps):
             t_start = clock()
-            # 1. rollout: this process's prompts r, r + W, r + 2W ... of the step's, each group_size times. Epoch e
-            # visits the rows in an order seeded by (seed, e): a step's prompts follow from its number alone
+            # 1. rollout: this process's prompts r, r + W, r + 2W ... of the step's, each group_size times
             indices = list(range(rank, args.prompts_per_step, world_size))
-            chosen = [int(np.random.default_rng([args.seed, p // len(train_rows)]).permutation(len(train_rows))[
-                p % len(train_rows)]) for p in (step * args.prompts_per_step + i for i in indices)]
-            prompt_ids, prompt_mask = left_pad([train_prompts[i] for i in chosen], tokenizer.pad_token_id, device)
-            prompt_ids = prompt_ids.repeat_interleave(args.group_size, 0)  # [B, P]
-            prompt_mask = prompt_mask.repeat_interleave(args.group_size, 0)
+            positions, n = [step * args.prompts_per_step + i for i in indices], len(train_rows)
+            order = {e: np.random.default_rng([args.seed, e]).permutation(n) for e in {p // n for p in positions}}
+            chosen = [int(order[p // n][p % n]) for p in positions]  # epoch e's order is seeded by (seed, e)
+            generators = [torch.Generator(device).manual_seed(int(np.random.SeedSequence(
+                [args.seed, step, i]).generate_state(1)[0])) for i in indices]
+            prompt_ids, prompt_mask = left_pad([train_prompts[i] for i in chosen for _ in range(args.group_size)],
+                                               tokenizer.pad_token_id, device)  # [B, P]
             with amp():
                 completion_ids, completion_mask, sampler_logp = generate(
                     model.eval(), prompt_ids, prompt_mask, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids,
                     pad_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    generators=[torch.Generator(device).manual_seed(int(np.random.SeedSequence(
-                        [args.seed, step, i]).generate_state(1)[0])) for i in indices], group_size=args.group_size,
-                    stop_together=args.fsdp, vocab_size=vocab_size)  # [B, T] each
+                    generators=generators, group_size=args.group_size, stop_together=args.fsdp, vocab_size=vocab_size)
             model.train()
             t_generated = clock()
 
@@ -761,17 +736,15 @@ def train(args: Args) -> dict:
             completions = decode_completions(tokenizer, completion_ids.cpu(), completion_mask.cpu(), eos_ids)
             rows = [train_rows[i] for i in chosen for _ in range(args.group_size)]
             rewards = compute_rewards([r["prompt"] for r in rows], completions, [r["answer"] for r in rows], reward_fns)
-            accuracy = rewards["answer"] if "answer" in rewards else torch.tensor(
-                [answer_reward(c, r["answer"]) for c, r in zip(completions, rows)])
             total = sum(weight * rewards[name] for name, _, weight in reward_fns)
             t_rewarded = clock()
 
             # 3. advantages, over every process's groups (the batch's std needs them all)
-            scores = torch.stack([total, accuracy, *rewards.values()]).to(device)  # [2 + R, B]
+            scores = torch.stack([total, *rewards.values()]).to(device)  # [1 + R, B], R[0] the answer reward
             if distributed:
                 parts = [torch.empty_like(scores) for _ in range(world_size)]
                 dist.all_gather(parts, scores)
-                scores = torch.cat(parts, 1)  # [2 + R, W*B], rank after rank
+                scores = torch.cat(parts, 1)  # [1 + R, W*B], rank after rank
             all_advantages = group_advantages(scores[0], args.group_size, args.scale_rewards)
             advantages = all_advantages[rank * local_rows:(rank + 1) * local_rows]  # [B]
             truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # [B]
@@ -792,7 +765,7 @@ def train(args: Args) -> dict:
 
             with torch.no_grad():
                 if args.kl_coef:
-                    with model.disable_adapter() if args.lora_r else contextlib.nullcontext():
+                    with model.disable_adapter() if args.lora_r else torch.no_grad():  # no adapter: the initial policy
                         for plan in itertools.chain(*plans):
                             ref_logp[plan[0], plan[2]] = logprobs(model if reference is None else reference, *plan)[0]
                 for plan in itertools.chain(*plans[1:]):
@@ -800,8 +773,7 @@ def train(args: Args) -> dict:
             t_referenced = clock()
 
             # 5. update: num_iterations passes of num_minibatches optimiser steps, each accumulating micro-batches
-            counts = all_sum({j: loss_mask[rows_j.start:rows_j.stop].sum() for j, rows_j in enumerate(minibatches)},
-                             device)
+            counts = all_sum({j: loss_mask[mb.start:mb.stop].sum() for j, mb in enumerate(minibatches)}, device)
             stat_sums, grad_norms, loss_sum = {}, [], 0.0
             for iteration, j in itertools.product(range(args.num_iterations), range(args.num_minibatches)):
                 last_pass = iteration == args.num_iterations - 1  # the batch as its last pass saw it is logged
@@ -825,7 +797,6 @@ def train(args: Args) -> dict:
                             stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
                 if distributed and not args.fsdp:  # gradients summed over processes (FSDP has done it)
                     for p in trainable:
-                        p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
                         dist.all_reduce(p.grad)
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max(args.max_grad_norm, 0) or math.inf)
                 grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
@@ -834,7 +805,7 @@ def train(args: Args) -> dict:
                     bad_updates = 0
                 else:  # a non-finite loss or gradient would poison the weights
                     bad_updates, skipped_updates = bad_updates + 1, skipped_updates + 1
-                    print0(f"warning: non-finite gradient at step {step + 1}; update skipped", file=sys.stderr,
+                    print0(f"warning: step {step + 1}: non-finite gradient, update skipped", file=sys.stderr,
                            enabled=is_main)
                     if bad_updates >= args.max_bad_steps:
                         raise UserError(f"{bad_updates} updates in a row had a non-finite loss or gradient: lower "
@@ -849,7 +820,7 @@ def train(args: Args) -> dict:
                             "trained_tokens": loss_mask.sum() * args.num_iterations}, device)
             metrics = {
                 "reward": scores[0].mean(), "reward_std": scores[0].std(), "accuracy": scores[1].mean(),
-                **{f"reward_{name}": scores[2 + i].mean() for i, name in enumerate(rewards)},
+                **{f"reward_{name}": scores[1 + i].mean() for i, name in enumerate(rewards)},
                 "frac_zero_std_groups": (all_advantages.view(-1, args.group_size) == 0).all(1).float().mean(),
                 "loss": sums["loss"], "grad_norm": np.mean(grad_norms[-args.num_minibatches:]),
                 **{key: sums[key] / max(sums["tokens"], 1.0) for key in stat_sums if key != "tokens"},
@@ -902,10 +873,9 @@ def train(args: Args) -> dict:
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "mfu": total("mfu") / max(len(timed), 1), "eval_accuracy_start": eval_accuracy_start,
         "eval_accuracy_end": eval_accuracy, "skipped_updates": skipped_updates, "resumed_from_step": start_step,
+        "stop_signal": signal.Signals((stop_signals or [signal.SIGTERM])[0]).name if stopped else None,
     }
-    if stopped:
-        summary["stop_signal"] = signal.Signals(stop_signals[0]).name if stop_signals else "SIGTERM"
-    else:
+    if not stopped:
         logger.summary(summary, output_dir)
     logger.close()
     if distributed:
@@ -917,10 +887,12 @@ def train(args: Args) -> dict:
 def main() -> None:
     try:
         summary = train(tyro.cli(Args))
-    except UserError as error:
+    except Exception as error:  # a UserError of this file or of prm.py (the PRM reward)
+        if type(error).__name__ != "UserError":
+            raise
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    if summary["interrupted"]:  # checkpointed, not finished: a scheduler must not take it for done
+    if summary["stop_signal"]:  # checkpointed, not finished: a scheduler must not take it for done
         sys.exit(128 + signal.Signals[summary["stop_signal"]])
 
 

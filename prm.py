@@ -97,7 +97,7 @@ class Args:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype; auto = bf16 on CUDA (weights stay fp32)
     device: str = "auto"  # auto = cuda when available, else cpu; under torchrun GPU LOCAL_RANK
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more compute
-    fsdp: bool = False  # shard weights, gradients and optimiser state over the processes (FSDP2; CUDA, torchrun)
+    fsdp: bool = False  # shard weights, gradients and optimiser state over the processes (FSDP2, under torchrun)
 
 
 class UserError(Exception):
@@ -430,8 +430,6 @@ def evaluate(prm: ProcessRewardModel, val_examples: list[dict], eval_examples: l
 
 # ---- Training
 
-# CUDA only for users; tests/fsdp_on_cpu.py adds "cpu" to run the sharded path over gloo
-FSDP_DEVICE_TYPES = ("cuda",)
 # what a resumed run must share with its checkpoint's: the model, the rows and their order, the loss, the batch
 RUN_DEFINING = ("model", "data_path", "num_val_rows", "step_separator", "max_length", "lora_r", "lora_alpha",
                 "lora_target_modules", "loss_kind", "batch_size", "seed", "fsdp")
@@ -448,8 +446,8 @@ def check_flags(args: Args, world: int, device: torch.device) -> None:
          "--num-val-rows, --lora-r and --micro-batch-size must be >= 0"),
         (args.batch_size % world == 0 and args.micro_batch_size <= args.batch_size // world,
          f"--batch-size must be a multiple of the {world} processes, --micro-batch-size at most each one's share"),
-        (not args.fsdp or (device.type in FSDP_DEVICE_TYPES and "RANK" in os.environ),
-         "--fsdp shards over GPUs: it needs CUDA and a launch by torchrun")):
+        (not args.fsdp or "RANK" in os.environ, "--fsdp shards over processes: it needs a launch by torchrun"),
+    ):
         if not ok:
             raise UserError(message)
 
@@ -569,8 +567,9 @@ def train(args: Args) -> dict:
         metrics_file.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
     console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "auroc",
                "eval_first_error_f1": "fe_f1", "step_time_s": "dt"}
-    logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track, enabled=rank == 0, run_name=
-                       os.path.basename(output_dir), wandb_project=args.wandb_project_name, append=bool(resume_path))
+    logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track, enabled=rank == 0,
+                       run_name=os.path.basename(output_dir), wandb_project=args.wandb_project_name,
+                       append=bool(resume_path))
     num_params, num_trained = sum(p.numel() for p in prm.parameters()), sum(p.numel() for p in trainable)
     if eval_start is None:
         eval_start = evaluate(prm, val_examples, eval_examples, args.eval_batch_size) if eval_examples else {}

@@ -3,11 +3,10 @@
 Both sample (temperature 1, no top-k/top-p) the same number of new tokens for every row (EOS is ignored on both
 sides, so that neither stops early), from prompts of a given length repeated `--group` times: grpo.py encodes each
 prompt once and copies its KV cache to the group; model.generate gets num_return_sequences. Median of --reps
-timed calls after one warm-up call, on torch's default threads. --compile-decoding: grpo.py's one-token passes
-compiled as under that flag of grpo.py (the warm-up call compiles them).
+timed calls after one warm-up call, on torch's default threads.
 
     python benchmarks/rollout_vs_generate.py --model bench-out/tiny-model bench-out/small-model
-    python benchmarks/rollout_vs_generate.py --model bench-out/tiny-model --new-tokens 64 --compile-decoding
+    python benchmarks/rollout_vs_generate.py --model bench-out/tiny-model --new-tokens 64
 """
 
 import argparse
@@ -41,14 +40,12 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--compile-decoding", action="store_true", help="compile grpo.py's one-token passes")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     print("| model, prompt length | grpo.py `generate` | `model.generate` | speed-up |\n|---|---|---|---|")
     for path in args.model:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        decode_forward = torch.compile(model, dynamic=True) if args.compile_decoding else model
         vocab = model.config.vocab_size
         for length in args.prompt_lengths:
             torch.manual_seed(0)
@@ -58,10 +55,9 @@ def main() -> None:
             tokens = args.prompts * args.group * args.new_tokens
 
             def ours():
-                generators = grpo.prompt_generators(0, 0, list(range(args.prompts)), "cpu")
-                out, _, _ = grpo.generate(model, repeated, repeated_mask, max_new_tokens=args.new_tokens, eos_ids=-1,
-                                          pad_id=0, generators=generators, group_size=args.group,
-                                          decode_forward=decode_forward)
+                generators = [torch.Generator().manual_seed(i) for i in range(args.prompts)]
+                out, _, _ = grpo.generate(model, repeated, repeated_mask, max_new_tokens=args.new_tokens, eos_ids=[-1],
+                                          pad_id=0, generators=generators, group_size=args.group)
                 assert out.shape[1] == args.new_tokens
 
             @torch.no_grad()

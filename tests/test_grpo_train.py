@@ -286,8 +286,8 @@ def test_torchrun_matches_one_process(tmp_path, saved_runs):
 
 def test_fsdp_on_cpu_matches_one_process_and_resumes(tmp_path, saved_runs):
     out = tmp_path / "fsdp"
-    torchrun("tests/fsdp_on_cpu.py", "grpo", "--fsdp", *cli(out, *RESUME_FLAGS["full"], "--total-steps", "2"))
-    torchrun("tests/fsdp_on_cpu.py", "grpo", "--fsdp", *cli(out, *RESUME_FLAGS["full"], "--resume-from", "latest"))
+    torchrun("grpo.py", "--fsdp", *cli(out, *RESUME_FLAGS["full"], "--total-steps", "2"))
+    torchrun("grpo.py", "--fsdp", *cli(out, *RESUME_FLAGS["full"], "--resume-from", "latest"))
     assert_same_rows(steps(saved_runs("full")), steps(out), tol=1e-4)
     assert_same_weights(saved_runs("full") / "final", out / "final", tol=1e-4)
 
