@@ -80,10 +80,10 @@ class Args:
     lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj), or all-linear
     # Loss and optimisation
     loss_kind: Literal["bce", "mse"] = "bce"  # bce: hard or soft labels; mse: squared error of the raw head output
-    total_steps: int = 500  # optimiser steps
+    total_steps: int = 800  # optimiser steps
     batch_size: int = 32  # rows per optimiser step, over all processes
     micro_batch_size: int = 0  # rows per forward/backward pass (gradient accumulation); 0 = the local batch
-    learning_rate: float = 2e-3  # AdamW (1e-5 is typical for full fine-tuning of real models, 1e-4 for LoRA)
+    learning_rate: float = 1e-3  # AdamW (1e-5 is typical for full fine-tuning of real models, 1e-4 for LoRA)
     max_grad_norm: float = 1.0
     warmup_steps: int = 20  # linear learning-rate warm-up
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up

@@ -87,7 +87,7 @@ def test_a_run_logs_evaluates_and_saves(trained):
     assert "eval_auroc" in rows[3] and "eval_auroc" not in rows[2]  # --eval-every 3
     for key in ("eval_step_accuracy", "eval_auroc", "eval_first_error_f1"):
         assert rows[0][key] == summary[f"{key}_start"] and rows[-1][key] == summary[f"{key}_end"]
-    assert [row["learning_rate"] for row in rows[1:4]] == pytest.approx([1e-3, 2e-3, 2e-3])  # warm-up of 2 steps
+    assert [row["learning_rate"] for row in rows[1:4]] == pytest.approx([5e-4, 1e-3, 1e-3])  # warm-up of 2 steps
     assert sorted(p.name for p in trained.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3",
                                                                                              "checkpoint-6"]
     config = json.loads((trained / "final" / "prm_config.json").read_text())
@@ -99,10 +99,10 @@ def test_a_run_logs_evaluates_and_saves(trained):
 
 def test_the_default_run_learns_to_check_steps(tmp_path):
     out = tmp_path / "run"
-    run_prm("--output-dir", out, "--total-steps", "300", "--eval-every", "0", "--num-eval-rows", "200", timeout=600)
-    summary = json.loads((out / "summary.json").read_text())  # (500 steps, the default: AUROC 0.998, F1 0.98)
+    run_prm("--output-dir", out, "--eval-every", "0", timeout=600)  # the default run, but for the evaluations between
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_auroc_start"] < 0.75 and summary["eval_first_error_f1_start"] < 0.4
-    assert summary["eval_auroc_end"] >= 0.93 and summary["eval_first_error_f1_end"] >= 0.6
+    assert summary["eval_auroc_end"] >= 0.95 and summary["eval_first_error_f1_end"] >= 0.8
 
 
 def held_out_examples(tokenizer, seed=1, num_val=20, num_eval=40):
@@ -175,7 +175,7 @@ def test_lora_saves_an_adapter_and_its_tiny_base_that_reload(tmp_path):
     assert (final / "adapter_model.safetensors").exists() and (final / "base" / "model.safetensors").exists()
     assert not (final / "model.safetensors").exists()
     rates = [row["learning_rate"] for row in read_jsonl(out / "metrics.jsonl") if "learning_rate" in row]
-    assert rates == pytest.approx([1e-3, 2e-3, 2e-3, 2e-3 * (1 + math.cos(math.pi / 2)) / 2], abs=1e-12)
+    assert rates == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3 * (1 + math.cos(math.pi / 2)) / 2], abs=1e-12)
     model = prm.load_prm(str(final), device="cpu")
     summary = json.loads((out / "summary.json").read_text())
     assert prm.evaluate(model, *held_out_examples(model.tokenizer), 64)["eval_auroc"] == summary["eval_auroc_end"]
