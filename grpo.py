@@ -106,8 +106,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         centred = centred / ({"group": grouped.std(1, keepdim=True), "batch": grouped.std()}[scale] + eps)
     # the float mean of equal values can differ from them in the last bit, which /(std + eps) would blow up
     equal = grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)
-    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32  # 0/1 rewards may come as ints
-    return torch.where(equal, 0.0, centred).reshape(-1).to(out_dtype)
+    return torch.where(equal, 0.0, centred).view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -243,7 +242,7 @@ def final_answer(text: str, numeric: bool = True, joined: bool = False) -> Optio
     marked = {line.strip(" .*$") for line in MARKED.findall(text)}
     if len(marked) > 1:
         return None
-    if marked and "\\boxed" not in (text := marked.pop()):
+    if marked and "\\boxed" not in (text := marked.pop()):  # a #### line with a box: only it is parsed
         return text
     found = BOXED.findall(text)
     contents = list(dict.fromkeys(content.strip(" .$") for content in found))
@@ -463,7 +462,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
     or argmax(filtered logits / T + Gumbel noise from each group's generator). stop_together: until every process is
     done (FSDP's forwards are collectives). ids [B, T], mask [B, T] (to EOS, included), log-probs under softmax(l/T)."""
     from transformers import DynamicCache
-    batch, cache, unique = prompt_ids.shape[0], DynamicCache(), slice(None, None, group_size)
+    batch, cache, unique = prompt_ids.shape[0], DynamicCache(), slice(None, None, group_size)  # a row per group
     eos_ids = torch.tensor(eos_ids, device=prompt_ids.device).reshape(-1)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
     logits = model(input_ids=prompt_ids[unique], attention_mask=prompt_mask[unique], position_ids=positions[unique],
@@ -479,7 +478,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens: int, eos_ids, pa
         else:
             uniform = torch.cat([torch.rand(batch // len(generators), scaled.shape[-1], generator=g,
                                             device=scaled.device) for g in generators])  # [B, V]
-            token = (filter_logits(scaled, top_k, top_p) - torch.log(-torch.log(uniform))).argmax(-1)
+            token = (filter_logits(scaled, top_k, top_p) - torch.log(-torch.log(uniform))).argmax(-1)  # Gumbel-max
         token = torch.where(finished, pad_id, token)
         tokens.append(token)
         logps.append(torch.log_softmax(scaled, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1))
@@ -530,7 +529,7 @@ def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids: list
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths.tolist())])
 
 
-SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to encode each prompt once (2.4x, long prompts)
+SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to encode each prompt once (2.5x, long prompts)
 
 
 def micro_batches(rows: range, size: int, group_size: int, prompt_lengths: list[int], completion_lengths: list[int],
@@ -750,8 +749,8 @@ def train(args: Args) -> dict:
             truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # [B]
             loss_mask = completion_mask * ~truncated[:, None] if args.mask_truncated_completions else completion_mask
 
-            # 4. reference and old log-probs, no grad. The first minibatch's old log-probs come free from its first
-            # forward; an update moves the policy that later minibatches must not be scored with: theirs are taken now
+            # 4. reference and old log-probs, no grad: minibatch 0's old ones are copied from its first training
+            # forward (ratio 1); minibatches 1+ are scored here, before any update moves the policy
             plans = [micro_batches(rows_j, args.micro_batch_size or minibatch_rows, args.group_size,
                                    [len(train_prompts[i]) for i in chosen], completion_mask.sum(1).tolist(),
                                    share_prompts) for rows_j in minibatches]
@@ -766,10 +765,11 @@ def train(args: Args) -> dict:
             with torch.no_grad():
                 if args.kl_coef:
                     with model.disable_adapter() if args.lora_r else torch.no_grad():  # no adapter: the initial policy
-                        for plan in itertools.chain(*plans):
-                            ref_logp[plan[0], plan[2]] = logprobs(model if reference is None else reference, *plan)[0]
-                for plan in itertools.chain(*plans[1:]):
-                    old_logp[plan[0], plan[2]] = logprobs(model, *plan)[0]
+                        for rows_mb, p_cols, c_cols, shared in itertools.chain(*plans):
+                            ref_logp[rows_mb, c_cols] = logprobs(model if reference is None else reference, rows_mb,
+                                                                 p_cols, c_cols, shared)[0]
+                for rows_mb, p_cols, c_cols, shared in itertools.chain(*plans[1:]):
+                    old_logp[rows_mb, c_cols] = logprobs(model, rows_mb, p_cols, c_cols, shared)[0]
             t_referenced = clock()
 
             # 5. update: num_iterations passes of num_minibatches optimiser steps, each accumulating micro-batches
@@ -790,7 +790,7 @@ def train(args: Args) -> dict:
                         kl_ratio_weighted=args.kl_ratio_weighted, total_sequences=minibatch_rows * world_size,
                         total_tokens=counts[j])
                     loss.backward()
-                    if last_pass:  # token-weighted sums of the stats, and the minibatches' mean loss
+                    if last_pass:  # stats weighted by tokens (stat_sums["tokens"]: their count), mean loss
                         tokens, loss_sum = stats.pop("tokens"), loss_sum + loss.detach() / args.num_minibatches
                         stats.update(entropy=(entropy * mask).sum() / tokens.clamp(min=1.0), tokens=torch.ones(()))
                         for key, value in stats.items():
@@ -813,7 +813,7 @@ def train(args: Args) -> dict:
                 optimizer.zero_grad(set_to_none=True)
             t_updated = clock()
 
-            # 6. log (over every process), evaluate, save
+            # 6. log, evaluate, save; the metrics are over every process
             gap = (old_logp - sampler_logp).abs() * completion_mask  # trainer vs sampler, same weights and tokens
             sums = all_sum({**stat_sums, "loss": loss_sum, "gap": gap.sum(), "generated": completion_mask.sum(),
                             "truncated": truncated.sum(), "prompt_tokens": prompt_mask.sum(), "stop": len(stop_signals),
