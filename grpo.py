@@ -628,7 +628,7 @@ def restore(path: str, output_dir: str, model, optimizer, args: Args) -> tuple[i
     return state["step"], state["eval_accuracy_start"], state["skipped"]
 
 
-def check_args(args: Args, world_size: int, device: torch.device) -> None:
+def check_args(args: Args, world_size: int) -> None:
     """The flag values users get wrong, before anything is loaded."""
     local_rows = args.prompts_per_step // world_size * args.group_size // args.num_minibatches
     problems = {
@@ -652,7 +652,7 @@ def train(args: Args) -> dict:
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     cuda, is_main, distributed = torch.cuda.is_available(), rank == 0, world_size > 1 or args.fsdp
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    check_args(args, world_size, device)
+    check_args(args, world_size)
     if cuda:
         torch.cuda.set_device(device)
     if distributed:

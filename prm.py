@@ -436,7 +436,7 @@ RUN_DEFINING = ("model", "data_path", "num_val_rows", "step_separator", "max_len
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0}  # dense bf16
 
 
-def check_flags(args: Args, world: int, device: torch.device) -> None:
+def check_flags(args: Args, world: int) -> None:
     for ok, message in (
         (min(args.batch_size, args.total_steps, args.max_length, args.eval_batch_size, args.learning_rate,
              args.max_grad_norm) > 0, "--batch-size, --total-steps, --max-length, --eval-batch-size, --learning-rate "
@@ -514,7 +514,7 @@ def train(args: Args) -> dict:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if device.index is None else device.index)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    check_flags(args, world, device)
+    check_flags(args, world)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo") if distributed else None
     bf16 = args.dtype == "bfloat16" or args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     dtype = torch.bfloat16 if bf16 else torch.float32

@@ -143,8 +143,6 @@ def saved_runs(tmp_path_factory, eval_rows):
     return get
 
 
-
-
 @pytest.mark.slow
 def test_default_task_learns(tmp_path):
     out = tmp_path / "run"
@@ -357,4 +355,3 @@ def test_track_writes_a_wandb_offline_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     train(tmp_path / "run", "--track", "--total-steps", "1")
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-
