@@ -155,7 +155,9 @@ def test_the_builtin_task_labels_steps_before_the_first_error_and_keeps_held_out
             assert label == float(correct) and eval(step.replace("=", "==")) is True  # its own arithmetic holds
             value = int(step.split("=")[1])
     train, val, held_out = prm.builtin_task(3, 20, 30)
-    keys = lambda rows: {(r["prompt"], *r["completions"]) for r in rows}  # noqa: E731
+
+    def keys(rows):
+        return {(r["prompt"], *r["completions"]) for r in rows}
     assert len(keys(train)) == len(train) and not keys(train) & (keys(val) | keys(held_out))
     assert len(val) == 20 and len(held_out) == 30 and not keys(val) & keys(held_out)
     assert prm.builtin_task(3, 50, 100)[0] == train  # the held-out pool never changes the training rows
@@ -189,7 +191,8 @@ def test_step_boundaries_hold_with_a_bpe_whose_merges_cross_them(separator):
     for k, position in enumerate(positions):
         assert tokenizer.decode(ids[:position + 1], skip_special_tokens=True) == joined[:ends[k]]
         assert tokenizer.decode(ids[position]).endswith(separator[-1])  # the label token ends the separator
-    pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in [prompt] + [s + separator for s in steps]]
+    texts = [prompt] + [step + separator for step in steps]
+    pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     assert ids == [tokenizer.bos_token_id] + [i for piece in pieces for i in piece]
 
 
@@ -228,14 +231,40 @@ def test_encode_rows_keeps_every_label_and_only_the_kept_steps_labels():
     assert example["positions"] == [14] and example["labels"] == [1.0] and example["all_labels"] == [1.0, 0.0, 0.0]
 
 
-def test_collate_pads_right_and_masks():
+def test_collate_pads_right_or_packs_rows_end_to_end():
     examples = [{"input_ids": [1, 5, 6, 7], "positions": [1, 3], "labels": [1.0, 0.0]},
-                {"input_ids": [1, 8], "positions": [1], "labels": None}]
+                {"input_ids": [1, 8], "positions": [1], "labels": None},
+                {"input_ids": [1, 9, 9], "positions": [2], "labels": [0.5]}]
     batch = prm.collate(examples, 0, "cpu")
-    assert batch["input_ids"].tolist() == [[1, 5, 6, 7], [1, 8, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
-    assert batch["positions"].tolist() == [[1, 3], [1, 0]] and batch["mask"].tolist() == [[True, True], [True, False]]
-    assert batch["labels"].tolist() == [[1.0, 0.0], [0.0, 0.0]]
+    assert batch["input_ids"].tolist() == [[1, 5, 6, 7], [1, 8, 0, 0], [1, 9, 9, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 0, 0], [0, 1, 2, 0]]
+    assert batch["positions"].tolist() == [[1, 3], [1, 0], [2, 0]]
+    assert batch["labels"].tolist() == [[1.0, 0.0], [0.0, -1.0], [0.5, -1.0]]  # -1: no step
+    packed = prm.collate(examples, 0, "cpu", pack=True)  # 9 tokens / (2 x longest 4): 2 rows, each to the shorter
+    assert packed["input_ids"].tolist() == [[1, 5, 6, 7, 0], [1, 9, 9, 1, 8]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    assert packed["positions"].tolist() == [[1, 3], [2, 4]]
+    assert packed["labels"].tolist() == [[1.0, 0.0], [0.5, 0.0]]
+
+
+def test_packed_rows_give_the_loss_and_gradients_of_padded_ones():
+    torch.manual_seed(0)
+    model, _ = prm.build_prm(prm.Args(), torch.float32)
+    rows = prm.builtin_task(2, 0, 0, 300)[0][:24]
+    examples = prm.encode_rows(model.tokenizer, rows, "\n", 1024)
+    results = []
+    for pack in (False, True):
+        batch = prm.collate(examples, 0, "cpu", pack)
+        model.zero_grad()
+        logits = model(batch["input_ids"], batch["position_ids"], batch["positions"])
+        loss, _ = prm.prm_loss(logits, batch["labels"], batch["labels"] >= 0)
+        loss.backward()
+        results.append((batch["input_ids"].shape, loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (padded_shape, padded_loss, padded_grads), (packed_shape, packed_loss, packed_grads) = results
+    assert packed_shape[0] < padded_shape[0] and packed_shape.numel() < padded_shape.numel()
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-6)
+    for padded_grad, packed_grad in zip(padded_grads, packed_grads):
+        torch.testing.assert_close(packed_grad, padded_grad, rtol=1e-4, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +291,7 @@ def test_score_steps_keeps_to_the_prms_separator_and_max_length(tiny_prm):
     with torch.no_grad():
         ids, positions = prm.build_prm_example(tiny_prm.tokenizer, "start 3\n", ["3+1=4"], step_separator="\n",
                                                max_length=1024)
-        logit = tiny_prm(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), torch.tensor([positions]))
+        logit = tiny_prm(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([positions]))
     assert prm.score_steps(tiny_prm, ["start 3\n"], [["3+1=4"]])[0][0] == pytest.approx(torch.sigmoid(logit).item())
 
 

@@ -28,7 +28,8 @@ QUICK = ["--batch-size", "8", "--num-eval-rows", "40", "--num-val-rows", "20", "
 def run_prm(*flags: str, expect_rc: int = 0, timeout: int = 300):
     """`python prm.py FLAGS` in this process, one thread (the tiny model gains nothing from more)."""
     process = run_in_process(prm, [str(flag) for flag in flags], timeout, threads=1)
-    assert process.returncode == expect_rc, f"rc {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-3000:]}"
+    output = f"{process.stdout[-3000:]}\n{process.stderr[-3000:]}"
+    assert process.returncode == expect_rc, f"rc {process.returncode}\n{output}"
     return process
 
 
@@ -197,15 +198,15 @@ def test_soft_labels_are_learned_as_given(kind, tmp_path):
     run_prm("--data-path", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", out, "--loss-kind", kind,
             "--total-steps", "40", "--batch-size", "8", "--warmup-steps", "0", "--learning-rate", "3e-3")
     model = prm.load_prm(str(out / "final"), device="cpu")
-    scores = [s for row in prm.score_steps(model, [r["prompt"] for r in rows[:20]],
-                                          [r["completions"] for r in rows[:20]]) for s in row]
+    scored = prm.score_steps(model, [r["prompt"] for r in rows[:20]], [r["completions"] for r in rows[:20]])
+    scores = [s for row in scored for s in row]
     assert sum(scores) / len(scores) == pytest.approx(0.3, abs=0.05)
 
 
-def test_micro_batches_and_gradient_checkpointing_give_the_same_update(one_process, tmp_path):
+def test_padded_micro_batches_and_gradient_checkpointing_give_the_packed_update(one_process, tmp_path):
     out = tmp_path / "run"
     run_prm("--output-dir", out, "--total-steps", "3", "--batch-size", "8", "--num-eval-rows", "0",
-            "--micro-batch-size", "3", "--gradient-checkpointing")
+            "--micro-batch-size", "3", "--gradient-checkpointing", "--no-pack-rows")
     assert [row["loss"] for row in read_jsonl(out / "metrics.jsonl")] == pytest.approx(
         [row["loss"] for row in read_jsonl(one_process / "metrics.jsonl")], rel=1e-5)
     accumulated, whole = weights(out / "final"), weights(one_process / "final")
