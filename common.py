@@ -31,12 +31,12 @@ def print0(*args, enabled: bool = True, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def _format_value(value) -> str:
-    if isinstance(value, float):
-        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5) and math.isfinite(value):
-            return f"{value:.3e}"
-        return f"{value:.4f}"
-    return str(value)
+def format_value(value) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5) and math.isfinite(value):
+        return f"{value:.3e}"
+    return f"{value:.4f}"
 
 
 class RunLogger:
@@ -44,123 +44,103 @@ class RunLogger:
 
     def __init__(
         self,
-        run_dir: str | None,
+        run_dir: str,
         config: dict,
         *,
         console_keys: dict[str, str],
         track: bool = False,
         wandb_project: str = "grpo",
-        wandb_entity: str | None = None,
-        wandb_group: str | None = None,
         run_name: str = "run",
         enabled: bool = True,
         append: bool = False,
-        wandb_id: str | None = None,
     ):
         """console_keys maps a metric name to the short label printed for it on the console line.
-        append=True keeps an existing metrics.jsonl (used when resuming); wandb_id: the wandb run to continue (a
-        resumed run's, which its checkpoint records), else a new one."""
+        append=True keeps an existing metrics.jsonl (a resumed run's)."""
         self.enabled = enabled
         self.console_keys = console_keys
-        self.metrics_file = None
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb_run = None
         if not enabled:
             return
-        if run_dir is not None:
-            os.makedirs(run_dir, exist_ok=True)
-            self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")
+        os.makedirs(run_dir, exist_ok=True)
+        if not append:
+            with open(self.metrics_path, "w"):
+                pass
         if track:
-            self.wandb_run = _start_wandb(config, wandb_project, wandb_entity, wandb_group, run_name, wandb_id)
+            self.wandb_run = start_wandb(config, wandb_project, run_name)
 
-    @property
-    def wandb_id(self) -> str | None:
-        """The wandb run's id (None without one): saved with each checkpoint, so that a resume logs into that run."""
-        return self.wandb_run.id if self.wandb_run is not None else None
-
-    @property
-    def wandb_group(self) -> str | None:
-        """The wandb run's group: saved with each checkpoint, so that a branch from it joins its group."""
-        return self.wandb_run.group if self.wandb_run is not None else None
-
-    def log(self, step: int, metrics: dict, prefix: str = "step") -> None:
+    def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **{k: _to_python(v) for k, v in metrics.items()}}
-        parts = [f"{prefix} {step}"] + [
-            f"{label} {_format_value(row[key])}" for key, label in self.console_keys.items() if key in row
-        ]
+        row = {"step": step}
+        for key, value in metrics.items():
+            row[key] = to_python(value)
+        parts = [f"step {step}"]
+        for key, label in self.console_keys.items():
+            if key in row:
+                parts.append(f"{label} {format_value(row[key])}")
         print0(" | ".join(parts))
-        if self.metrics_file is not None:
-            self.metrics_file.write(json.dumps(_finite_or_null(row), allow_nan=False) + "\n")
-            self.metrics_file.flush()
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(finite_or_null(row), allow_nan=False) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(row, step=step)
 
-    def summary(self, summary: dict, run_dir: str | None) -> None:
+    def summary(self, summary: dict, run_dir: str) -> None:
         """Print the summary as a table, write summary.json, and send it to wandb's run summary."""
         if not self.enabled:
             return
-        summary = {k: _to_python(v) for k, v in summary.items()}
-        width = max(len(k) for k in summary)
+        summary = {key: to_python(value) for key, value in summary.items()}
+        width = max(len(key) for key in summary)
         print0("=" * 20 + " summary " + "=" * 20)
         for key, value in summary.items():
-            print0(f"{key:<{width}}  {_format_value(value)}")
-        if run_dir is not None:  # atomically: a resume takes a summary.json as the mark of a finished run
-            path = os.path.join(run_dir, "summary.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(_finite_or_null(summary), f, indent=2, allow_nan=False)
-            os.replace(path + ".tmp", path)
+            print0(f"{key:<{width}}  {format_value(value)}")
+        path = os.path.join(run_dir, "summary.json")
+        with open(path + ".tmp", "w") as f:  # then renamed: a resume takes summary.json as the mark of a finished run
+            json.dump(finite_or_null(summary), f, indent=2, allow_nan=False)
+        os.replace(path + ".tmp", path)
         if self.wandb_run is not None:
             self.wandb_run.summary.update(summary)
 
     def close(self) -> None:
-        if self.metrics_file is not None:
-            self.metrics_file.close()
-            self.metrics_file = None
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
 
 
-def _to_python(value):
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    if isinstance(value, np.generic):
-        value = value.item()
+def to_python(value):
+    if isinstance(value, torch.Tensor | np.generic):
+        return value.item()
     return value
 
 
-def _finite_or_null(value):
+def finite_or_null(value):
     """value with every non-finite float in it, nested in dicts and lists too, replaced by None."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_null(v) for v in value]
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(item) for item in value]
     return value
 
 
-def _start_wandb(config: dict, project: str, entity: str | None, group: str | None, run_name: str,
-                 run_id: str | None = None):
-    """Start a wandb run, or continue run_id's, or warn and carry on without one: tracking must never cost a
-    training run."""
+def start_wandb(config: dict, project: str, run_name: str):
+    """A wandb run (WANDB_ENTITY picks the team), or a warning and None: tracking must never cost a training run."""
     try:
         import wandb
     except ImportError:
-        print0("WARNING: --track given but wandb is not installed (pip install wandb); continuing without it.",
-               file=sys.stderr)
+        print0(
+            "WARNING: --track given but wandb is not installed (pip install wandb); continuing without it.",
+            file=sys.stderr,
+        )
         return None
+    group = f"{run_name}-{secrets.token_hex(3)}"  # a group of its own: two launches in one second stay apart
     try:
-        if run_id is not None:  # a resume: the same run, its name and group, its curves continued from the checkpoint
-            run = wandb.init(project=project, entity=entity, id=run_id, resume="allow", group=group, save_code=True)
-            run.config.update(config, allow_val_change=True)  # the flags this launch runs with (--total-steps ...)
-            return run
-        # without --wandb-group a new run is a group of its own (the suffix keeps two launches in one second apart)
-        group = group or f"{run_name}-{secrets.token_hex(3)}"
-        return wandb.init(project=project, entity=entity, group=group, name=run_name, config=config,
-                          save_code=True)
+        return wandb.init(project=project, group=group, name=run_name, config=config, save_code=True)
     except Exception as error:  # network, auth or config errors: wandb raises many kinds
-        print0(f"WARNING: wandb could not start ({type(error).__name__}: {error}); continuing without it. "
-               "Run `wandb login`, or set WANDB_MODE=offline to log locally.", file=sys.stderr)
+        print0(
+            f"WARNING: wandb could not start ({type(error).__name__}: {error}); continuing without it. "
+            "Run `wandb login`, or set WANDB_MODE=offline to log locally.",
+            file=sys.stderr,
+        )
         return None

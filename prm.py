@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 import torch
@@ -64,13 +64,13 @@ from common import RunLogger, print0, seed_everything
 class Args:
     # Experiment
     seed: int = 1  # seed of model init, built-in data and batch order
-    output_dir: Optional[str] = None  # metrics.jsonl, summary.json, checkpoint-STEP/, final/; None = runs/{run name}
+    output_dir: str | None = None  # metrics.jsonl, summary.json, checkpoint-STEP/, final/; None = runs/{run name}
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works; WANDB_ENTITY picks the team)
     wandb_project_name: str = "prm"
     # Model and data
     model: str = "tiny"  # `tiny` (a small random-init Llama built here, no download), or a hub id or local path
-    data_path: Optional[str] = None  # JSONL rows {"prompt", "completions", "labels"}; None = the built-in task
-    eval_data_path: Optional[str] = None  # JSONL held-out rows; None = built-in ones (none with --data-path)
+    data_path: str | None = None  # JSONL rows {"prompt", "completions", "labels"}; None = the built-in task
+    eval_data_path: str | None = None  # JSONL held-out rows; None = built-in ones (none with --data-path)
     num_eval_rows: int = 500  # at most this many held-out rows are evaluated
     num_val_rows: int = 200  # rows that only pick the first-error threshold (a tenth of --data-path at most)
     step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
@@ -92,8 +92,8 @@ class Args:
     eval_every: int = 100  # held-out metrics every this many steps (always at the start and the end)
     eval_batch_size: int = 64  # rows per forward pass in evaluation and scoring
     save_every: int = 0  # checkpoint-STEP/ every this many steps (0: on SIGTERM/SIGINT only); the newest two kept
-    resume_from: Optional[str] = None  # a checkpoint-STEP/ directory, or `latest` (the newest in --output-dir)
-    prm_path: Optional[str] = None  # score the rows of --data-path with this saved PRM instead of training
+    resume_from: str | None = None  # a checkpoint-STEP/ directory, or `latest` (the newest in --output-dir)
+    prm_path: str | None = None  # score the rows of --data-path with this saved PRM instead of training
     scores_output: str = "scores.jsonl"  # with --prm-path: each row with its "scores" added
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype; auto = bf16 on CUDA (weights stay fp32)
     device: str = "auto"  # auto = cuda when available, else cpu; under torchrun GPU LOCAL_RANK
@@ -109,8 +109,14 @@ class UserError(Exception):
 # ---- Kernels and metrics: tensors or lists in, numbers out. Tests import these.
 
 
-def prm_loss(step_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, kind: str = "bce", *,
-             num_labelled: Optional[float] = None) -> tuple[torch.Tensor, dict]:
+def prm_loss(
+    step_logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "bce",
+    *,
+    num_labelled: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """sum(l * mask) / N in fp32 over [B, S] steps (mask 1 on real ones); l = bce: -(y log sigmoid(z) + (1 - y)
     log(1 - sigmoid(z))) (y in [0, 1]: hard or soft labels) or mse: (z - y)^2 (z, the raw output, is the score). N =
     num_labelled, the whole batch's count for a part of it (parts then sum to the batch loss), else mask.sum()."""
@@ -131,8 +137,11 @@ def prm_loss(step_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
 def step_accuracy(scores, labels, threshold: float = 0.5) -> float:
     """Fraction of steps where score >= threshold agrees with label >= 0.5; NaN when empty or a score is NaN."""
     scores, labels = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
-    return float(np.mean((scores >= threshold) == (labels >= 0.5))) if len(scores) and not np.isnan(scores).any() \
+    return (
+        float(np.mean((scores >= threshold) == (labels >= 0.5)))
+        if len(scores) and not np.isnan(scores).any()
         else float("nan")
+    )
 
 
 def auroc(scores, labels) -> float:
@@ -220,10 +229,15 @@ def parse_row(line: str, need_labels: bool) -> dict:
     except json.JSONDecodeError as error:
         raise ValueError(f"not JSON ({error.msg})") from None
     for name, kind in {"prompt": str, "completions": list, **({"labels": list} if need_labels else {})}.items():
-        if not isinstance(row, dict) or not isinstance(row.get(name), kind) or (
-                name == "completions" and not all(isinstance(step, str) for step in row[name])):
-            raise ValueError(f'needs a field "{name}" ({"list of str" if name == "completions" else kind.__name__}); '
-                             'rows are {"prompt": str, "completions": [str, ...], "labels": [bool or 0..1, ...]}')
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get(name), kind)
+            or (name == "completions" and not all(isinstance(step, str) for step in row[name]))
+        ):
+            raise ValueError(
+                f'needs a field "{name}" ({"list of str" if name == "completions" else kind.__name__}); '
+                'rows are {"prompt": str, "completions": [str, ...], "labels": [bool or 0..1, ...]}'
+            )
     if need_labels and len(row["labels"]) != len(row["completions"]):
         raise ValueError(f"{len(row['labels'])} labels for {len(row['completions'])} steps: one label per step")
     for label in row["labels"] if need_labels else []:  # (NaN fails the comparison too)
@@ -249,8 +263,9 @@ def load_rows(path: str, need_labels: bool = True) -> list[dict]:
 # ---- Tokenisation: the one function that training, evaluation and scoring share.
 
 
-def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separator: str,
-                      max_length: int) -> tuple[list[int], list[int]]:
+def build_prm_example(
+    tokenizer, prompt: str, steps: list[str], *, step_separator: str, max_length: int
+) -> tuple[list[int], list[int]]:
     """`[bos] prompt step1 sep step2 sep ...` -> (input_ids, label_positions), the prompt and each `step + sep`
     tokenised apart so that no BPE merge crosses a step boundary: label_positions[k] is the last token of `step k +
     sep`. Steps that do not fit whole in max_length are dropped with all later ones."""
@@ -273,10 +288,17 @@ def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: in
     """One example {input_ids, positions, labels (of the kept steps), all_labels} per row."""
     examples = []
     for row in rows:
-        input_ids, positions = build_prm_example(tokenizer, row["prompt"], row["completions"],
-                                                 step_separator=step_separator, max_length=max_length)
-        examples.append({"input_ids": input_ids, "positions": positions, "labels": row["labels"][:len(positions)],
-                         "all_labels": row["labels"]})
+        input_ids, positions = build_prm_example(
+            tokenizer, row["prompt"], row["completions"], step_separator=step_separator, max_length=max_length
+        )
+        examples.append(
+            {
+                "input_ids": input_ids,
+                "positions": positions,
+                "labels": row["labels"][: len(positions)],
+                "all_labels": row["labels"],
+            }
+        )
     return examples
 
 
@@ -296,8 +318,14 @@ def collate(examples: list[dict], pad_id: int, device, pack: bool = False) -> di
         fields["positions"].append([start + p for e, start in zip(row, starts) for p in e["positions"]])
         fields["labels"].append([y for e in row for y in e["labels"] or [0.0] * len(e["positions"])])
     fill = {"input_ids": pad_id, "labels": -1.0}  # 0 for position ids and label positions
-    return {key: pad_sequence([torch.tensor(v, dtype=torch.float32 if key == "labels" else torch.long)
-                               for v in values], True, fill.get(key, 0)).to(device) for key, values in fields.items()}
+    return {
+        key: pad_sequence(
+            [torch.tensor(v, dtype=torch.float32 if key == "labels" else torch.long) for v in values],
+            True,
+            fill.get(key, 0),
+        ).to(device)
+        for key, values in fields.items()
+    }
 
 
 # ---- Model: backbone without LM head + fp32 scalar head; save, load, score.
@@ -305,13 +333,20 @@ def collate(examples: list[dict], pad_id: int, device, pack: bool = False) -> di
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer over the built-in task's alphabet (one token per character)."""
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(TINY_SPECIALS + TINY_CHARS)}, merges=[],
-                                     unk_token="<unk>"))
+    tokenizer = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(TINY_SPECIALS + TINY_CHARS)}, merges=[], unk_token="<unk>")
+    )
     tokenizer.add_special_tokens(TINY_SPECIALS)
     tokenizer.decoder = decoders.Fuse()
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>", model_max_length=1024)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        model_max_length=1024,
+    )
 
 
 class ProcessRewardModel(torch.nn.Module):
@@ -329,13 +364,21 @@ class ProcessRewardModel(torch.nn.Module):
             return self.head(hidden[rows, positions].float()).squeeze(-1)
 
 
-def build_prm(args: Args, dtype: torch.dtype, resume_path: Optional[str] = None):
+def build_prm(args: Args, dtype: torch.dtype, resume_path: str | None = None):
     """A PRM on the CPU computing in `dtype` (autocast) with fp32 weights, but a hub model's frozen LoRA base stored in
     `dtype` (without FSDP); and a copy of the tiny base when an adapter must be saved beside it."""
     if args.model == "tiny":  # a 3-layer, 64-wide Llama, random init from the seed
         tokenizer = build_tiny_tokenizer()
-        backbone = LlamaModel(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256,
-                                          num_hidden_layers=3, num_attention_heads=4, pad_token_id=0))
+        backbone = LlamaModel(
+            LlamaConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=64,
+                intermediate_size=256,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                pad_token_id=0,
+            )
+        )
     elif not os.path.isdir(args.model) and args.model.startswith((".", "/", "~")):
         raise UserError(f"--model {args.model} does not exist")
     else:
@@ -346,12 +389,28 @@ def build_prm(args: Args, dtype: torch.dtype, resume_path: Optional[str] = None)
         if args.model == "tiny":  # random weights, which no name reloads: saved beside the adapter
             base_copy, base = copy.deepcopy(backbone), "base"
         targets = args.lora_target_modules
-        backbone = get_peft_model(backbone, LoraConfig(
-            r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="FEATURE_EXTRACTION",
-            target_modules=targets if targets == "all-linear" else targets.split(",")))
-    prm = ProcessRewardModel(backbone, tokenizer, {
-        "base_model": base, "lora": args.lora_r > 0, "step_separator": args.step_separator,
-        "max_length": args.max_length, "loss_kind": args.loss_kind, "dtype": str(dtype).removeprefix("torch.")})
+        backbone = get_peft_model(
+            backbone,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                task_type="FEATURE_EXTRACTION",
+                target_modules=targets if targets == "all-linear" else targets.split(","),
+            ),
+        )
+    prm = ProcessRewardModel(
+        backbone,
+        tokenizer,
+        {
+            "base_model": base,
+            "lora": args.lora_r > 0,
+            "step_separator": args.step_separator,
+            "max_length": args.max_length,
+            "loss_kind": args.loss_kind,
+            "dtype": str(dtype).removeprefix("torch."),
+        },
+    )
     if resume_path:  # the checkpoint's weights: the adapter (LoRA) or the backbone, and the head
         weights = load_file(os.path.join(resume_path, f"{'adapter_model' if args.lora_r else 'model'}.safetensors"))
         set_peft_model_state_dict(prm.backbone, weights) if args.lora_r else prm.backbone.load_state_dict(weights)
@@ -359,8 +418,15 @@ def build_prm(args: Args, dtype: torch.dtype, resume_path: Optional[str] = None)
     return prm, base_copy
 
 
-def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Optional[dict] = None,
-             args: Optional[Args] = None, trainer_state: Optional[dict] = None, step: Optional[int] = None) -> None:
+def save_prm(
+    path: str,
+    prm: ProcessRewardModel,
+    base_backbone=None,
+    weights: dict | None = None,
+    args: Args | None = None,
+    trainer_state: dict | None = None,
+    step: int | None = None,
+) -> None:
     """Backbone or LoRA adapter (base_backbone under base/), reward_head.safetensors, tokenizer, prm_config.json (a
     checkpoint: args.json, trainer_state.pt too); weights: a sharded PRM's, gathered. Written to PATH.tmp, renamed."""
     weights, temporary = prm.state_dict() if weights is None else weights, path.rstrip("/") + ".tmp"
@@ -370,8 +436,10 @@ def save_prm(path: str, prm: ProcessRewardModel, base_backbone=None, weights: Op
     if base_backbone is not None:
         base_backbone.save_pretrained(os.path.join(temporary, "base"))
     prm.tokenizer.save_pretrained(temporary)
-    save_file({name: weights[f"head.{name}"].detach().float().contiguous().cpu() for name in ("weight", "bias")},
-              os.path.join(temporary, "reward_head.safetensors"))
+    save_file(
+        {name: weights[f"head.{name}"].detach().float().contiguous().cpu() for name in ("weight", "bias")},
+        os.path.join(temporary, "reward_head.safetensors"),
+    )
     Path(temporary, "prm_config.json").write_text(json.dumps({**prm.config, "step": step}, indent=2))
     if trainer_state is not None:
         Path(temporary, "args.json").write_text(json.dumps(asdict(args), indent=2))
@@ -388,8 +456,9 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
     dtype = dtype or getattr(torch, config["dtype"])
     config["dtype"] = str(dtype).removeprefix("torch.")  # what predict computes in
     base = os.path.join(path, "base") if config["base_model"] == "base" else config["base_model"]
-    backbone = AutoModel.from_pretrained(base if config["lora"] else path, dtype=dtype,
-                                         trust_remote_code=trust_remote_code)
+    backbone = AutoModel.from_pretrained(
+        base if config["lora"] else path, dtype=dtype, trust_remote_code=trust_remote_code
+    )
     backbone = PeftModel.from_pretrained(backbone, path) if config["lora"] else backbone
     prm = ProcessRewardModel(backbone, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code), config)
     prm.head.load_state_dict(load_file(os.path.join(path, "reward_head.safetensors")))
@@ -404,24 +473,38 @@ def predict(prm: ProcessRewardModel, examples: list[dict], batch_size: int) -> l
     order = sorted((i for i, e in enumerate(examples) if e["positions"]), key=lambda i: len(examples[i]["input_ids"]))
     scores: list[list[float]] = [[] for _ in examples]  # an example with no step kept has no score
     for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+        chunk = order[start : start + batch_size]
         batch = collate([examples[i] for i in chunk], prm.tokenizer.pad_token_id or 0, device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             logits = prm(batch["input_ids"], batch["position_ids"], batch["positions"])  # [b, S]
         # fp64: fp32's sigmoid is exactly 1.0 past a logit of 16.6, which would tie confident steps
         values = torch.sigmoid(logits.double()) if prm.config["loss_kind"] == "bce" else logits
         for row, i in enumerate(chunk):
-            scores[i] = values[row, :len(examples[i]["positions"])].tolist()
+            scores[i] = values[row, : len(examples[i]["positions"])].tolist()
     prm.train(was_training)
     return scores
 
 
-def score_steps(prm: ProcessRewardModel, prompts: list[str], steps: list[list[str]],
-                batch_size: int = 32) -> list[list[float]]:
+def score_steps(
+    prm: ProcessRewardModel, prompts: list[str], steps: list[list[str]], batch_size: int = 32
+) -> list[list[float]]:
     """One score per kept step of each solution (none past the PRM's max_length), tokenised as in training."""
-    examples = [dict(zip(("input_ids", "positions"), build_prm_example(
-        prm.tokenizer, prompt, solution, step_separator=prm.config["step_separator"],
-        max_length=prm.config["max_length"])), labels=None) for prompt, solution in zip(prompts, steps, strict=True)]
+    examples = [
+        dict(
+            zip(
+                ("input_ids", "positions"),
+                build_prm_example(
+                    prm.tokenizer,
+                    prompt,
+                    solution,
+                    step_separator=prm.config["step_separator"],
+                    max_length=prm.config["max_length"],
+                ),
+            ),
+            labels=None,
+        )
+        for prompt, solution in zip(prompts, steps, strict=True)
+    ]
     return predict(prm, examples, batch_size)
 
 
@@ -430,29 +513,68 @@ def evaluate(prm: ProcessRewardModel, val_examples: list[dict], eval_examples: l
     threshold = choose_threshold(predict(prm, val_examples, batch_size), [e["all_labels"] for e in val_examples])
     scores, labels = predict(prm, eval_examples, batch_size), [e["all_labels"] for e in eval_examples]
     flat = [s for row in scores for s in row]
-    flat_labels = [y for row, all_labels in zip(scores, labels) for y in all_labels[:len(row)]]  # of the scored steps
-    return {"eval_step_accuracy": step_accuracy(flat, flat_labels), "eval_auroc": auroc(flat, flat_labels),
-            "eval_first_error_f1": first_error_f1(scores, labels, threshold)[0], "eval_threshold": threshold}
+    flat_labels = [y for row, all_labels in zip(scores, labels) for y in all_labels[: len(row)]]  # of the scored steps
+    return {
+        "eval_step_accuracy": step_accuracy(flat, flat_labels),
+        "eval_auroc": auroc(flat, flat_labels),
+        "eval_first_error_f1": first_error_f1(scores, labels, threshold)[0],
+        "eval_threshold": threshold,
+    }
 
 
 # ---- Training
 
 # what a resumed run must share with its checkpoint's: the model, the rows and their order, the loss, the batch
-RUN_DEFINING = ("model", "data_path", "num_val_rows", "step_separator", "max_length", "lora_r", "lora_alpha",
-                "lora_target_modules", "loss_kind", "batch_size", "seed", "fsdp")
+RUN_DEFINING = (
+    "model",
+    "data_path",
+    "num_val_rows",
+    "step_separator",
+    "max_length",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "loss_kind",
+    "batch_size",
+    "seed",
+    "fsdp",
+)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0}  # dense bf16
 
 
 def check_flags(args: Args, world: int) -> None:
     for ok, message in (
-        (min(args.batch_size, args.total_steps, args.max_length, args.eval_batch_size, args.learning_rate,
-             args.max_grad_norm) > 0, "--batch-size, --total-steps, --max-length, --eval-batch-size, --learning-rate "
-         "and --max-grad-norm must be > 0"),
-        (min(args.warmup_steps, args.eval_every, args.save_every, args.num_eval_rows, args.num_val_rows, args.lora_r,
-             args.micro_batch_size) >= 0, "--warmup-steps, --eval-every, --save-every, --num-eval-rows, "
-         "--num-val-rows, --lora-r and --micro-batch-size must be >= 0"),
-        (args.batch_size % world == 0 and args.micro_batch_size <= args.batch_size // world,
-         f"--batch-size must be a multiple of the {world} processes, --micro-batch-size at most each one's share"),
+        (
+            min(
+                args.batch_size,
+                args.total_steps,
+                args.max_length,
+                args.eval_batch_size,
+                args.learning_rate,
+                args.max_grad_norm,
+            )
+            > 0,
+            "--batch-size, --total-steps, --max-length, --eval-batch-size, --learning-rate "
+            "and --max-grad-norm must be > 0",
+        ),
+        (
+            min(
+                args.warmup_steps,
+                args.eval_every,
+                args.save_every,
+                args.num_eval_rows,
+                args.num_val_rows,
+                args.lora_r,
+                args.micro_batch_size,
+            )
+            >= 0,
+            "--warmup-steps, --eval-every, --save-every, --num-eval-rows, "
+            "--num-val-rows, --lora-r and --micro-batch-size must be >= 0",
+        ),
+        (
+            args.batch_size % world == 0 and args.micro_batch_size <= args.batch_size // world,
+            f"--batch-size must be a multiple of the {world} processes, --micro-batch-size at most each one's share",
+        ),
         (not args.fsdp or "RANK" in os.environ, "--fsdp shards over processes: it needs a launch by torchrun"),
     ):
         if not ok:
@@ -475,22 +597,29 @@ def checkpoint_steps(output_dir: str) -> list[int]:  # (not checkpoint-N.tmp: a 
     return sorted(int(path.name[11:]) for path in Path(output_dir).glob("checkpoint-*") if path.name[11:].isdigit())
 
 
-def resolve_run(args: Args, run_name: str) -> tuple[str, Optional[str]]:
+def resolve_run(args: Args, run_name: str) -> tuple[str, str | None]:
     """The output directory and the checkpoint to resume from (None: a new run), checked."""
     path = args.resume_from
-    output_dir = args.output_dir or (os.path.dirname(os.path.abspath(path.rstrip("/"))) if path not in (None, "latest")
-                                     else os.path.join("runs", run_name))
+    output_dir = args.output_dir or (
+        os.path.dirname(os.path.abspath(path.rstrip("/")))
+        if path not in (None, "latest")
+        else os.path.join("runs", run_name)
+    )
     if path == "latest":
         path = os.path.join(output_dir, f"checkpoint-{(checkpoint_steps(output_dir) or [0])[-1]}")
     if path is None and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
-        raise UserError(f"{output_dir} already holds a run: continue it with --resume-from latest, or pass another "
-                        "--output-dir")
+        raise UserError(
+            f"{output_dir} already holds a run: continue it with --resume-from latest, or pass another --output-dir"
+        )
     if path is not None:
         if not os.path.isfile(os.path.join(path, "args.json")):
             raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {path}")
         saved = json.loads(Path(path, "args.json").read_text())
-        differ = [f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
-                  for key in RUN_DEFINING if saved[key] != getattr(args, key)]
+        differ = [
+            f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
+            for key in RUN_DEFINING
+            if saved[key] != getattr(args, key)
+        ]
         if differ:
             raise UserError(f"--resume-from {path}: the checkpoint's run differs ({'; '.join(differ)})")
     return output_dir, path
@@ -536,7 +665,7 @@ def train(args: Args) -> dict:
         num_val = min(args.num_val_rows, len(rows) // 10) if args.eval_data_path else 0
         rows = rows[num_val:], rows[:num_val], []
     if args.eval_data_path:
-        rows = rows[0], rows[1], load_rows(args.eval_data_path)[:args.num_eval_rows]
+        rows = rows[0], rows[1], load_rows(args.eval_data_path)[: args.num_eval_rows]
     prm, base_copy = build_prm(args, dtype, resume_path)
     encoded = [encode_rows(prm.tokenizer, split, args.step_separator, args.max_length) for split in rows]
     dropped_steps = sum(len(e["all_labels"]) - len(e["positions"]) for split in encoded for e in split)
@@ -552,13 +681,23 @@ def train(args: Args) -> dict:
     trainable = [p for p in prm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     warmup, decay = args.warmup_steps, max(1, args.total_steps - args.warmup_steps)  # linear, then constant or cosine
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup)) * (
-        1.0 if args.lr_schedule == "constant" else (1 + math.cos(math.pi * min(1, max(0, step - warmup) / decay))) / 2))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: (
+            min(1.0, (step + 1) / max(1, warmup))
+            * (
+                1.0
+                if args.lr_schedule == "constant"
+                else (1 + math.cos(math.pi * min(1, max(0, step - warmup) / decay))) / 2
+            )
+        ),
+    )
     start_step, eval_start = 0, None
     if resume_path:
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-        dcp.set_optimizer_state_dict(prm, optimizer, state["optimizer"],
-                                     options=dcp.StateDictOptions(full_state_dict=True))
+        dcp.set_optimizer_state_dict(
+            prm, optimizer, state["optimizer"], options=dcp.StateDictOptions(full_state_dict=True)
+        )
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         start_step, eval_start = state["step"], state["eval_start"]
@@ -569,38 +708,56 @@ def train(args: Args) -> dict:
     if rank == 0 and resume_path and metrics_file.exists():  # rows logged after the checkpoint are redone
         lines = metrics_file.read_text().splitlines(keepends=True)
         metrics_file.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
-    console = {"loss": "loss", "accuracy": "acc", "grad_norm": "gnorm", "eval_auroc": "auroc",
-               "eval_first_error_f1": "fe_f1", "step_time_s": "dt"}
-    logger = RunLogger(output_dir, asdict(args), console_keys=console, track=args.track, enabled=rank == 0,
-                       run_name=os.path.basename(output_dir), wandb_project=args.wandb_project_name,
-                       append=bool(resume_path))
+    console = {
+        "loss": "loss",
+        "accuracy": "acc",
+        "grad_norm": "gnorm",
+        "eval_auroc": "auroc",
+        "eval_first_error_f1": "fe_f1",
+        "step_time_s": "dt",
+    }
+    logger = RunLogger(
+        output_dir,
+        asdict(args),
+        console_keys=console,
+        track=args.track,
+        enabled=rank == 0,
+        run_name=os.path.basename(output_dir),
+        wandb_project=args.wandb_project_name,
+        append=bool(resume_path),
+    )
     num_params, num_trained = sum(p.numel() for p in prm.parameters()), sum(p.numel() for p in trainable)
     if eval_start is None:
         eval_start = evaluate(prm, val_examples, eval_examples, args.eval_batch_size) if eval_examples else {}
         logger.log(0, eval_start) if eval_start else None
-    order = functools.lru_cache(maxsize=2)(lambda epoch: np.random.default_rng([args.seed, epoch]).permutation(
-        len(train_examples)))  # a fresh permutation per epoch: the step number alone gives the data position
+    order = functools.lru_cache(maxsize=2)(
+        lambda epoch: np.random.default_rng([args.seed, epoch]).permutation(len(train_examples))
+    )  # a fresh permutation per epoch: the step number alone gives the data position
     micro = args.micro_batch_size or args.batch_size // world
     step_times, step_tokens, stop_signals, stop = [], [], [], False
-    previous = {sig: signal.signal(sig, lambda sig, frame: stop_signals.append(sig))
-                for sig in (signal.SIGINT, signal.SIGTERM)}  # a signal ends the step, then saves a checkpoint
+    previous = {
+        sig: signal.signal(sig, lambda sig, frame: stop_signals.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)
+    }  # a signal ends the step, then saves a checkpoint
     run_start = time.perf_counter()
     try:
         for step in range(start_step, args.total_steps):
             step_start = time.perf_counter()
             # 1. batch: the global batch, of which this process takes every world-th row
-            batch = [train_examples[order(p // len(train_examples))[p % len(train_examples)]]
-                     for p in range(step * args.batch_size, (step + 1) * args.batch_size)]
+            batch = [
+                train_examples[order(p // len(train_examples))[p % len(train_examples)]]
+                for p in range(step * args.batch_size, (step + 1) * args.batch_size)
+            ]
             num_labelled = sum(len(e["positions"]) for e in batch)  # the loss's divisor, over all processes
             local = batch[rank::world]
             # 2. forward and backward per micro-batch, gradients accumulating
             sums = torch.zeros(3, device=device)  # loss, correct steps, stop signals
             for start in range(0, len(local), micro):
-                inputs = collate(local[start:start + micro], prm.tokenizer.pad_token_id or 0, device, args.pack_rows)
+                inputs = collate(local[start : start + micro], prm.tokenizer.pad_token_id or 0, device, args.pack_rows)
                 with torch.autocast(device.type, dtype=dtype, enabled=bf16):
                     step_logits = prm(inputs["input_ids"], inputs["position_ids"], inputs["positions"])  # [r, S]
-                loss, stats = prm_loss(step_logits, inputs["labels"], inputs["labels"] >= 0, args.loss_kind,
-                                       num_labelled=num_labelled)
+                loss, stats = prm_loss(
+                    step_logits, inputs["labels"], inputs["labels"] >= 0, args.loss_kind, num_labelled=num_labelled
+                )
                 loss.backward()
                 sums[:2] += torch.stack([loss.detach(), stats["accuracy"] * stats["steps"]])
             sums[2] = len(stop_signals)
@@ -622,17 +779,32 @@ def train(args: Args) -> dict:
             step_times.append(time.perf_counter() - step_start)
             step_tokens.append(sum(len(e["input_ids"]) for e in batch))
             # 4. log, evaluate, save
-            metrics = {"loss": sums[0].item(), "accuracy": sums[1].item() / max(num_labelled, 1),
-                       "grad_norm": grad_norm.item(), "learning_rate": learning_rate, "labelled_steps": num_labelled,
-                       "step_time_s": step_times[-1]}
+            metrics = {
+                "loss": sums[0].item(),
+                "accuracy": sums[1].item() / max(num_labelled, 1),
+                "grad_norm": grad_norm.item(),
+                "learning_rate": learning_rate,
+                "labelled_steps": num_labelled,
+                "step_time_s": step_times[-1],
+            }
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and eval_examples:
                 metrics.update(evaluate(prm, val_examples, eval_examples, args.eval_batch_size))
             logger.log(step + 1, metrics)
             stop = sums[2].item() > 0  # every process stops after the same step
             if stop or (args.save_every and (step + 1) % args.save_every == 0):
-                save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), prm, base_copy, args, {
-                    "scheduler": scheduler.state_dict(), "step": step + 1, "rng": torch.get_rng_state(),
-                    "eval_start": eval_start}, optimizer)  # (the data position is the step number)
+                save_run(
+                    os.path.join(output_dir, f"checkpoint-{step + 1}"),
+                    prm,
+                    base_copy,
+                    args,
+                    {
+                        "scheduler": scheduler.state_dict(),
+                        "step": step + 1,
+                        "rng": torch.get_rng_state(),
+                        "eval_start": eval_start,
+                    },
+                    optimizer,
+                )  # (the data position is the step number)
             if stop:
                 break
     finally:
@@ -640,8 +812,11 @@ def train(args: Args) -> dict:
             signal.signal(sig, handler)
     total_time, steps_done = time.perf_counter() - run_start, start_step + len(step_times)
     if stop:
-        print0(f"stopped by a signal after step {steps_done}, checkpoint-{steps_done} saved: continue with the same "
-               f"flags and --output-dir {output_dir} --resume-from latest", enabled=rank == 0)
+        print0(
+            f"stopped by a signal after step {steps_done}, checkpoint-{steps_done} saved: continue with the same "
+            f"flags and --output-dir {output_dir} --resume-from latest",
+            enabled=rank == 0,
+        )
         logger.close()
         dist.destroy_process_group() if distributed else None
         return {"steps": steps_done, "interrupted": True, "signal": (stop_signals or [signal.SIGTERM])[0]}
@@ -652,18 +827,36 @@ def train(args: Args) -> dict:
     logger.log(steps_done, eval_end) if eval_end else None
     timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
     tokens_per_s = sum(step_tokens[timed]) / max(sum(step_times[timed]), 1e-9)
-    peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20  # (Linux: KiB)
-    summary = {"steps": steps_done, "total_time_s": total_time, "step_time_s_mean": float(np.mean(step_times[timed])),
-               "tokens_per_s": tokens_per_s, "peak_memory_mb": peak_memory,
-               **{f"{key}_start": value for key, value in eval_start.items()},
-               **{f"{key}_end": value for key, value in eval_end.items()},
-               "train_rows": len(train_examples), "eval_rows": len(eval_examples), "dropped_steps": dropped_steps,
-               "dropped_rows": dropped_rows, "parameters": num_params, "trainable_parameters": num_trained}
+    peak_memory = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ) / 2**20  # (Linux: KiB)
+    summary = {
+        "steps": steps_done,
+        "total_time_s": total_time,
+        "step_time_s_mean": float(np.mean(step_times[timed])),
+        "tokens_per_s": tokens_per_s,
+        "peak_memory_mb": peak_memory,
+        **{f"{key}_start": value for key, value in eval_start.items()},
+        **{f"{key}_end": value for key, value in eval_end.items()},
+        "train_rows": len(train_examples),
+        "eval_rows": len(eval_examples),
+        "dropped_steps": dropped_steps,
+        "dropped_rows": dropped_rows,
+        "parameters": num_params,
+        "trainable_parameters": num_trained,
+    }
     if device.type == "cuda":  # MFU: 6 FLOPs per weight and token (4 with LoRA: no frozen weights' gradients)
         body = num_params - prm.backbone.get_input_embeddings().weight.numel()
-        peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name(device)),
-                    float("nan")) if bf16 else float("nan")
+        peak = (
+            next(
+                (tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name(device)),
+                float("nan"),
+            )
+            if bf16
+            else float("nan")
+        )
         summary["mfu"] = (6 if args.lora_r == 0 else 4) * body * tokens_per_s / world / (peak * 1e12)
     logger.summary(summary, output_dir)
     logger.close()
@@ -676,10 +869,14 @@ def score_file(args: Args) -> dict:
     if args.data_path is None:
         raise UserError("--prm-path scores the rows of --data-path: give one")
     rows = load_rows(args.data_path, need_labels=False)
-    prm = load_prm(args.prm_path, None if args.device == "auto" else args.device,
-                   None if args.dtype == "auto" else getattr(torch, args.dtype))
-    scores = score_steps(prm, [row["prompt"] for row in rows], [row["completions"] for row in rows],
-                         args.eval_batch_size)
+    prm = load_prm(
+        args.prm_path,
+        None if args.device == "auto" else args.device,
+        None if args.dtype == "auto" else getattr(torch, args.dtype),
+    )
+    scores = score_steps(
+        prm, [row["prompt"] for row in rows], [row["completions"] for row in rows], args.eval_batch_size
+    )
     Path(args.scores_output).write_text("".join(json.dumps({**r, "scores": s}) + "\n" for r, s in zip(rows, scores)))
     print0(f"scored {sum(map(len, scores))} steps of {len(rows)} rows into {args.scores_output}")
     return {"rows": len(rows), "scored_steps": sum(map(len, scores))}

@@ -36,8 +36,18 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ["grpo_tiny", "grpo_tiny_lora", "grpo_small", "grpo_small_lora", "grpo_small_long", "grpo_small_accum",
-           "prm_tiny", "prm_tiny_lora", "prm_small", "prm_small_lora"]
+CONFIGS = [
+    "grpo_tiny",
+    "grpo_tiny_lora",
+    "grpo_small",
+    "grpo_small_lora",
+    "grpo_small_long",
+    "grpo_small_accum",
+    "prm_tiny",
+    "prm_tiny_lora",
+    "prm_small",
+    "prm_small_lora",
+]
 # grpo_small_accum: up to ACCUM_NEW_TOKENS new tokens (lengths vary: the random model says EOS now and then),
 # trained in micro-batches of ACCUM_MICRO_BATCH with gradient accumulation on both sides
 ACCUM_NEW_TOKENS, ACCUM_MICRO_BATCH = 64, 4
@@ -54,6 +64,7 @@ GRPO_LEARNING_RATE = "1e-12"
 # ---- helpers run under a venv's python: `bench_vs_trl.py --probe prm-data --probe-args JSON` prints
 # `PROBE {json}`; `bench_vs_trl.py --trl-grpo-prefix P --trl-grpo-lora-r R -- HARNESS_ARGS` runs the GRPO harness
 
+
 def probe_prm_data(harness_dir: str, model_dir: str, out_path: str, batch_size: int, max_length: int) -> dict:
     """The harness's PRM training rows (its own generator, seed 0) written as prm.py JSONL, and their token lengths
     as PRMTrainer.tokenize_row gives them (needs the trl 1.13 venv)."""
@@ -62,16 +73,21 @@ def probe_prm_data(harness_dir: str, model_dir: str, out_path: str, batch_size: 
     from transformers import AutoTokenizer
 
     a = h.Args()
-    rows = [{"prompt": r["prompt"], "completions": list(r["completions"]), "labels": [bool(x) for x in r["labels"]]}
-            for r in h.make_dataset(a.n_train, a.seed, a)]
+    rows = [
+        {"prompt": r["prompt"], "completions": list(r["completions"]), "labels": [bool(x) for x in r["labels"]]}
+        for r in h.make_dataset(a.n_train, a.seed, a)
+    ]
     with open(out_path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     tok = AutoTokenizer.from_pretrained(model_dir)
     lens = [len(h.PRMTrainer.tokenize_row(r, tok, "\n", max_length, None, False, False)["input_ids"]) for r in rows]
     rng = random.Random(0)
     padded = [max(rng.sample(lens, batch_size)) * batch_size for _ in range(4000)]  # random batches
-    return {"rows": len(rows), "tokens_per_step": batch_size * sum(lens) / len(lens),
-            "padded_tokens_per_step": sum(padded) / len(padded)}
+    return {
+        "rows": len(rows),
+        "tokens_per_step": batch_size * sum(lens) / len(lens),
+        "padded_tokens_per_step": sum(padded) / len(padded),
+    }
 
 
 def trl_grpo_wrapped(harness_dir: str, prefix: str, lora_r: int, harness_args: list[str]) -> int:
@@ -84,13 +100,19 @@ def trl_grpo_wrapped(harness_dir: str, prefix: str, lora_r: int, harness_args: l
 
     if prefix:
         make_prompts = h.make_prompts
-        h.make_prompts = lambda max_tokens, tok: [{**row, "prompt": prefix + row["prompt"]}
-                                                  for row in make_prompts(max_tokens, tok)]
+        h.make_prompts = lambda max_tokens, tok: [
+            {**row, "prompt": prefix + row["prompt"]} for row in make_prompts(max_tokens, tok)
+        ]
     if lora_r > 0:
         from peft import LoraConfig
 
-        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS.split(","),
-                          task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=lora_r,
+            lora_alpha=2 * lora_r,
+            lora_dropout=0.0,
+            target_modules=LORA_TARGETS.split(","),
+            task_type="CAUSAL_LM",
+        )
         h.GRPOTrainer = functools.partial(h.GRPOTrainer, peft_config=lora)
     h.main(tyro.cli(h.Args, args=harness_args))
     sys.stdout.flush()
@@ -99,9 +121,17 @@ def trl_grpo_wrapped(harness_dir: str, prefix: str, lora_r: int, harness_args: l
 
 # ---- one run, and the machine around it
 
+
 def child_env(a) -> dict:
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1", "BENCH_ROOT": a.bench_root}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "BENCH_ROOT": a.bench_root,
+    }
     if a.threads > 0:
         env["OMP_NUM_THREADS"] = str(a.threads)
     return env
@@ -152,34 +182,97 @@ def run_cmd(cmd: list[str], cwd: str, log_path: Path, a) -> dict:
         log.write("$ " + shlex.join(cmd) + "\n\n")
         log.flush()
         try:
-            rc = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=child_env(a),
-                                timeout=a.timeout).returncode
+            rc = subprocess.run(
+                cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=child_env(a), timeout=a.timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall, busy1 = time.perf_counter() - t0, machine_busy_s()
-    other = (max(0.0, (busy1 - busy0 - (children_cpu_s() - cpu0)) / wall) if busy0 is not None and busy1 is not None
-             else None)
+    other = (
+        max(0.0, (busy1 - busy0 - (children_cpu_s() - cpu0)) / wall)
+        if busy0 is not None and busy1 is not None
+        else None
+    )
     return {"rc": rc, "wall_s": wall, "other_cores": other, "log": str(log_path)}
 
 
 # ---- the two sides of each configuration
 
+
 def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
     lora = ["--lora-r", "8", "--lora-alpha", "16", "--lora-target-modules", LORA_TARGETS] if cfg["lora"] else []
     if cfg["kind"] == "grpo":
-        return [a.ours_python, os.path.join(a.main_dir, "grpo.py"), "--model", cfg["model"],
-                "--data-path", data[cfg["prompts"]], "--no-chat-template",
-                "--max-prompt-length", str(cfg["max_prompt_length"]), "--prompts-per-step", "2", "--group-size", "8",
-                "--max-new-tokens", str(cfg["new_tokens"]), "--temperature", "1.0", "--kl-coef", "0.05",
-                "--loss-type", "dapo", "--scale-rewards", "group", "--num-iterations", "1",
-                "--learning-rate", GRPO_LEARNING_RATE, "--total-steps", str(a.grpo_steps),
-                "--micro-batch-size", str(cfg["micro_batch"]), "--no-gradient-checkpointing",
-                "--format-reward-weight", "0", "--eval-every", "0", "--seed", "0", "--overwrite",
-                "--output-dir", str(out_dir), *lora, *shlex.split(a.grpo_flags)]
-    cmd = [a.ours_python, os.path.join(a.main_dir, "prm.py"), "--model", cfg["model"], "--batch-size", "8",
-           "--total-steps", str(a.prm_steps), "--learning-rate", "1e-3", "--warmup-steps", "0", "--max-length", "128",
-           "--step-separator", "\n", "--no-gradient-checkpointing", "--eval-every", "0", "--seed", "0",
-           "--output-dir", str(out_dir), *lora]
+        return [
+            a.ours_python,
+            os.path.join(a.main_dir, "grpo.py"),
+            "--model",
+            cfg["model"],
+            "--data-path",
+            data[cfg["prompts"]],
+            "--no-chat-template",
+            "--max-prompt-length",
+            str(cfg["max_prompt_length"]),
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "8",
+            "--max-new-tokens",
+            str(cfg["new_tokens"]),
+            "--temperature",
+            "1.0",
+            "--kl-coef",
+            "0.05",
+            "--loss-type",
+            "dapo",
+            "--scale-rewards",
+            "group",
+            "--num-iterations",
+            "1",
+            "--learning-rate",
+            GRPO_LEARNING_RATE,
+            "--total-steps",
+            str(a.grpo_steps),
+            "--micro-batch-size",
+            str(cfg["micro_batch"]),
+            "--no-gradient-checkpointing",
+            "--format-reward-weight",
+            "0",
+            "--eval-every",
+            "0",
+            "--seed",
+            "0",
+            "--overwrite",
+            "--output-dir",
+            str(out_dir),
+            *lora,
+            *shlex.split(a.grpo_flags),
+        ]
+    cmd = [
+        a.ours_python,
+        os.path.join(a.main_dir, "prm.py"),
+        "--model",
+        cfg["model"],
+        "--batch-size",
+        "8",
+        "--total-steps",
+        str(a.prm_steps),
+        "--learning-rate",
+        "1e-3",
+        "--warmup-steps",
+        "0",
+        "--max-length",
+        "128",
+        "--step-separator",
+        "\n",
+        "--no-gradient-checkpointing",
+        "--eval-every",
+        "0",
+        "--seed",
+        "0",
+        "--output-dir",
+        str(out_dir),
+        *lora,
+    ]
     if data.get("prm_rows"):  # the harness's rows (no held-out rows then: nothing is evaluated)
         cmd += ["--data-path", data["prm_rows"]]
     return cmd
@@ -190,22 +283,81 @@ def trl_cmd(cfg: dict, a, out_json: Path, out_dir: Path) -> list[str]:
         long = cfg["prompts"] == "grpo_prompts_long"
         harness = [a.trl_python, os.path.join(a.harness_dir, "trl_grpo_bench.py")]
         if long or cfg["lora"]:
-            harness = [a.trl_python, os.path.abspath(__file__), "--harness-dir", a.harness_dir, "--trl-grpo-prefix",
-                       LONG_PROMPT_PREFIX if long else "", "--trl-grpo-lora-r", "8" if cfg["lora"] else "0", "--"]
+            harness = [
+                a.trl_python,
+                os.path.abspath(__file__),
+                "--harness-dir",
+                a.harness_dir,
+                "--trl-grpo-prefix",
+                LONG_PROMPT_PREFIX if long else "",
+                "--trl-grpo-lora-r",
+                "8" if cfg["lora"] else "0",
+                "--",
+            ]
         # TRL samples per_device_train_batch_size x gradient_accumulation_steps = 16 completions at once and makes
         # one optimizer step over them, as grpo.py does
-        return [*harness, "--model", cfg["model"], "--steps", str(a.grpo_steps), "--num-generations", "8",
-                "--per-device-train-batch-size", str(cfg["micro_batch"]),
-                "--gradient-accumulation-steps", str(16 // cfg["micro_batch"]), "--num-iterations", "1",
-                "--max-completion-length", str(cfg["new_tokens"]), "--max-prompt-length", str(cfg["max_prompt_length"]),
-                "--beta", "0.05", "--learning-rate", GRPO_LEARNING_RATE, "--temperature", "1.0", "--loss-type", "dapo",
-                "--scale-rewards", "group", "--no-activation-checkpointing", "--seed", "0", "--no-eval-greedy",
-                "--output-dir", str(out_dir), "--out-json", str(out_json)]
-    return [a.trl_prm_python, os.path.join(a.harness_dir, "trl_prm_bench.py"), "--model", cfg["model"],
-            "--steps", str(a.prm_steps), "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "1",
-            "--learning-rate", "1e-3", "--max-length", "128", "--no-activation-checkpointing", "--seed", "0",
-            "--no-evaluate", "--output-dir", str(out_dir), "--out-json", str(out_json),
-            *(["--lora", "--lora-r", "8", "--lora-alpha", "16"] if cfg["lora"] else [])]
+        return [
+            *harness,
+            "--model",
+            cfg["model"],
+            "--steps",
+            str(a.grpo_steps),
+            "--num-generations",
+            "8",
+            "--per-device-train-batch-size",
+            str(cfg["micro_batch"]),
+            "--gradient-accumulation-steps",
+            str(16 // cfg["micro_batch"]),
+            "--num-iterations",
+            "1",
+            "--max-completion-length",
+            str(cfg["new_tokens"]),
+            "--max-prompt-length",
+            str(cfg["max_prompt_length"]),
+            "--beta",
+            "0.05",
+            "--learning-rate",
+            GRPO_LEARNING_RATE,
+            "--temperature",
+            "1.0",
+            "--loss-type",
+            "dapo",
+            "--scale-rewards",
+            "group",
+            "--no-activation-checkpointing",
+            "--seed",
+            "0",
+            "--no-eval-greedy",
+            "--output-dir",
+            str(out_dir),
+            "--out-json",
+            str(out_json),
+        ]
+    return [
+        a.trl_prm_python,
+        os.path.join(a.harness_dir, "trl_prm_bench.py"),
+        "--model",
+        cfg["model"],
+        "--steps",
+        str(a.prm_steps),
+        "--per-device-train-batch-size",
+        "8",
+        "--gradient-accumulation-steps",
+        "1",
+        "--learning-rate",
+        "1e-3",
+        "--max-length",
+        "128",
+        "--no-activation-checkpointing",
+        "--seed",
+        "0",
+        "--no-evaluate",
+        "--output-dir",
+        str(out_dir),
+        "--out-json",
+        str(out_json),
+        *(["--lora", "--lora-r", "8", "--lora-alpha", "16"] if cfg["lora"] else []),
+    ]
 
 
 def run_ours(cfg: dict, a, data: dict, rep_dir: Path) -> dict:
@@ -236,14 +388,16 @@ def run_trl(cfg: dict, a, rep_dir: Path) -> dict:
     s = json.loads(out_json.read_text())
     res.update(step_s=s["mean_step_s_excl_first"], peak_rss_mib=s["peak_rss_mib"], steps_run=s.get("steps_run"))
     if cfg["kind"] == "grpo":  # TRL logs each step's mean completion length; its summary does not keep it
-        lengths = [float(x) for x in re.findall(r"'completions/mean_length': '?([0-9.eE+-]+)",
-                                                 Path(res["log"]).read_text())]
+        lengths = [
+            float(x) for x in re.findall(r"'completions/mean_length': '?([0-9.eE+-]+)", Path(res["log"]).read_text())
+        ]
         if lengths[1:]:
             res["completion_length"] = statistics.mean(lengths[1:])
     return res
 
 
 # ---- the report
+
 
 def fmt(x, spec=".4f") -> str:
     return "-" if x is None or x != x else format(x, spec)
@@ -262,8 +416,10 @@ def log_tail(path: str, n: int = 25) -> str:
 
 
 def report(results: dict, a, notes: list[str]) -> str:
-    hdr = (f"{'config':<17} {'reps':>4} {'ours s/step':>11} {'TRL s/step':>10} {'TRL/ours':>8} {'[min-max]':>13} "
-           f"{'ours RSS MiB':>12} {'TRL RSS MiB':>11} {'other cores':>11}")
+    hdr = (
+        f"{'config':<17} {'reps':>4} {'ours s/step':>11} {'TRL s/step':>10} {'TRL/ours':>8} {'[min-max]':>13} "
+        f"{'ours RSS MiB':>12} {'TRL RSS MiB':>11} {'other cores':>11}"
+    )
     lines, details, worst = [hdr, "-" * len(hdr)], [], 0.0
     for name, r in results.items():
         pairs = r["pairs"]
@@ -271,39 +427,51 @@ def report(results: dict, a, notes: list[str]) -> str:
         ratios = [t / o for o, t in zip(ours, trl) if o and t]
         other = max((x.get("other_cores") or 0.0 for p in pairs for x in (p["ours"], p["trl"])), default=0.0)
         worst = max(worst, other)
-        lines.append(f"{name:<17} {len(pairs):>4} {fmt(med(ours)):>11} {fmt(med(trl)):>10} "
-                     f"{fmt(med(ratios), '.2f'):>7}x "
-                     f"{f'[{min(ratios):.2f}-{max(ratios):.2f}]' if ratios else '-':>13} "
-                     f"{fmt(med([p['ours'].get('peak_rss_mib') for p in pairs]), '.0f'):>12} "
-                     f"{fmt(med([p['trl'].get('peak_rss_mib') for p in pairs]), '.0f'):>11} {other:>11.2f}")
+        lines.append(
+            f"{name:<17} {len(pairs):>4} {fmt(med(ours)):>11} {fmt(med(trl)):>10} "
+            f"{fmt(med(ratios), '.2f'):>7}x "
+            f"{f'[{min(ratios):.2f}-{max(ratios):.2f}]' if ratios else '-':>13} "
+            f"{fmt(med([p['ours'].get('peak_rss_mib') for p in pairs]), '.0f'):>12} "
+            f"{fmt(med([p['trl'].get('peak_rss_mib') for p in pairs]), '.0f'):>11} {other:>11.2f}"
+        )
         if r["cfg"]["kind"] == "grpo":
-            details.append(f"{name}: mean completion length ours "
-                           f"{fmt(med([p['ours'].get('completion_length') for p in pairs]), '.2f')}, TRL "
-                           f"{fmt(med([p['trl'].get('completion_length') for p in pairs]), '.2f')}; ours generated "
-                           f"{fmt(med([p['ours'].get('generated_tokens_per_s') for p in pairs]), '.0f')} tokens/s")
+            details.append(
+                f"{name}: mean completion length ours "
+                f"{fmt(med([p['ours'].get('completion_length') for p in pairs]), '.2f')}, TRL "
+                f"{fmt(med([p['trl'].get('completion_length') for p in pairs]), '.2f')}; ours generated "
+                f"{fmt(med([p['ours'].get('generated_tokens_per_s') for p in pairs]), '.0f')} tokens/s"
+            )
         elif r.get("prm_data"):
             d = r["prm_data"]
-            details.append(f"{name}: tokens/step ours "
-                           f"{fmt(med([p['ours'].get('tokens_per_step') for p in pairs]), '.1f')}, TRL "
-                           f"{d['tokens_per_step']:.1f} ({d['padded_tokens_per_step']:.1f} with the padding to each "
-                           "batch's longest row)"
-                           + ("" if r["shared_rows"] else "; ours ran on prm.py's built-in task"))
+            details.append(
+                f"{name}: tokens/step ours "
+                f"{fmt(med([p['ours'].get('tokens_per_step') for p in pairs]), '.1f')}, TRL "
+                f"{d['tokens_per_step']:.1f} ({d['padded_tokens_per_step']:.1f} with the padding to each "
+                "batch's longest row)" + ("" if r["shared_rows"] else "; ours ran on prm.py's built-in task")
+            )
         for p in pairs:
             for side in ("ours", "trl"):
                 if "error" in p[side]:
-                    details.append(f"{name} rep {p['rep']} {side} FAILED: {p[side]['error']}\n"
-                                   f"{log_tail(p[side]['log'])}")
-    lines += ["", "s/step: mean per optimizer step, first excluded, median over reps; TRL/ours: median of the "
-              "per-pair ratios (>1 = ours faster) [range]; RSS: peak, median; other cores: max over the runs"]
+                    details.append(
+                        f"{name} rep {p['rep']} {side} FAILED: {p[side]['error']}\n{log_tail(p[side]['log'])}"
+                    )
+    lines += [
+        "",
+        "s/step: mean per optimizer step, first excluded, median over reps; TRL/ours: median of the "
+        "per-pair ratios (>1 = ours faster) [range]; RSS: peak, median; other cores: max over the runs",
+    ]
     if a.grpo_flags:
         lines.append(f"grpo.py ran with {a.grpo_flags} (TRL without an equivalent)")
     if worst > 0.2:
-        lines.append(f"WARNING: other processes used up to {worst:.2f} cores during the runs: the machine was "
-                     "contended, times and ratios are unreliable (try --quiet-wait 300 or --threads 1).")
+        lines.append(
+            f"WARNING: other processes used up to {worst:.2f} cores during the runs: the machine was "
+            "contended, times and ratios are unreliable (try --quiet-wait 300 or --threads 1)."
+        )
     return "\n".join(lines + [""] + details + notes)
 
 
 # ----
+
 
 def python_has(python: str, modules: str) -> bool:
     try:
@@ -313,34 +481,58 @@ def python_has(python: str, modules: str) -> bool:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--main-dir", default=str(Path(__file__).resolve().parents[1]),
-                    help="checkout with our grpo.py and prm.py")
-    ap.add_argument("--bench-root", default=os.environ.get("BENCH_ROOT", "bench-out"),
-                    help="TRL harness root: venv, venv-trl113, tiny-model, small-model")
-    ap.add_argument("--harness-dir", default=None,
-                    help="folder of trl_grpo_bench.py / trl_prm_bench.py / make_tiny.py; None = "
-                         "<main-dir>/../shared/bench")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument(
+        "--main-dir", default=str(Path(__file__).resolve().parents[1]), help="checkout with our grpo.py and prm.py"
+    )
+    ap.add_argument(
+        "--bench-root",
+        default=os.environ.get("BENCH_ROOT", "bench-out"),
+        help="TRL harness root: venv, venv-trl113, tiny-model, small-model",
+    )
+    ap.add_argument(
+        "--harness-dir",
+        default=None,
+        help="folder of trl_grpo_bench.py / trl_prm_bench.py / make_tiny.py; None = <main-dir>/../shared/bench",
+    )
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--reps", type=int, default=3, help="alternated repetitions (pairs) per configuration")
     ap.add_argument("--grpo-steps", type=int, default=30)
     ap.add_argument("--prm-steps", type=int, default=50)
-    ap.add_argument("--max-new-tokens", type=int, default=8,
-                    help=f"GRPO: tokens sampled per completion, both sides (grpo_small_accum: {ACCUM_NEW_TOKENS})")
-    ap.add_argument("--grpo-flags", default="", help="more flags for grpo.py only (not TRL), in one string, e.g. "
-                    "--grpo-flags='--top-k 50'")
-    ap.add_argument("--prm-data", choices=["harness", "builtin"], default="harness",
-                    help="PRM rows: the harness's synthetic rows (same text both sides), or prm.py's built-in task")
-    ap.add_argument("--ours-python", default=None,
-                    help="python for grpo.py/prm.py; None = <bench-root>/venv/bin/python if it has peft and "
-                         "tyro, else python3")
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=8,
+        help=f"GRPO: tokens sampled per completion, both sides (grpo_small_accum: {ACCUM_NEW_TOKENS})",
+    )
+    ap.add_argument(
+        "--grpo-flags",
+        default="",
+        help="more flags for grpo.py only (not TRL), in one string, e.g. --grpo-flags='--top-k 50'",
+    )
+    ap.add_argument(
+        "--prm-data",
+        choices=["harness", "builtin"],
+        default="harness",
+        help="PRM rows: the harness's synthetic rows (same text both sides), or prm.py's built-in task",
+    )
+    ap.add_argument(
+        "--ours-python",
+        default=None,
+        help="python for grpo.py/prm.py; None = <bench-root>/venv/bin/python if it has peft and tyro, else python3",
+    )
     ap.add_argument("--trl-python", default=None, help="None = <bench-root>/venv/bin/python (trl 1.16)")
     ap.add_argument("--trl-prm-python", default=None, help="None = <bench-root>/venv-trl113/bin/python (trl 1.13)")
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every run; 0 = torch's default")
-    ap.add_argument("--quiet-wait", type=float, default=0.0,
-                    help="before each run wait up to this many seconds for an idle machine (busy fraction over 2 s "
-                         "below --busy-max); 0 = don't wait")
+    ap.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        help="before each run wait up to this many seconds for an idle machine (busy fraction over 2 s "
+        "below --busy-max); 0 = don't wait",
+    )
     ap.add_argument("--busy-max", type=float, default=0.10)
     ap.add_argument("--work-dir", default=None, help="logs and outputs; None = a new folder under $TMPDIR")
     ap.add_argument("--out-json", default=None, help="all raw results; None = <work-dir>/results.json")
@@ -379,64 +571,98 @@ def main(argv=None) -> int:
             a.ours_python = venv_py
         else:
             a.ours_python = shutil.which("python3") or sys.executable
-            notes.append(f"note: {venv_py} lacks torch/transformers/peft/tyro (or is missing); our scripts ran "
-                         f"with {a.ours_python} instead")
+            notes.append(
+                f"note: {venv_py} lacks torch/transformers/peft/tyro (or is missing); our scripts ran "
+                f"with {a.ours_python} instead"
+            )
     if not os.path.isfile(os.path.join(a.harness_dir, "trl_grpo_bench.py")):
         sys.exit(f"the TRL harness (trl_grpo_bench.py) is not in {a.harness_dir}: pass --harness-dir")
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_vs_trl_"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"work dir {work}\nours: {a.ours_python} ({a.main_dir})\nTRL GRPO: {a.trl_python}\n"
-          f"TRL PRM: {a.trl_prm_python}\nharness: {a.harness_dir}", flush=True)
+    print(
+        f"work dir {work}\nours: {a.ours_python} ({a.main_dir})\nTRL GRPO: {a.trl_python}\n"
+        f"TRL PRM: {a.trl_prm_python}\nharness: {a.harness_dir}",
+        flush=True,
+    )
 
     # models: the missing ones built by the harness's make_tiny.py (random init, seed 0, character tokenizer)
     models = {size: os.path.join(a.bench_root, f"{size}-model") for size in ("tiny", "small")}
     for size, d in models.items():
         if any(c.split("_")[1] == size for c in configs) and not os.path.exists(os.path.join(d, "config.json")):
             print(f"building {d}", flush=True)
-            subprocess.run([a.trl_python, os.path.join(a.harness_dir, "make_tiny.py"), "--size", size,
-                            "--root", a.bench_root], check=True, env=child_env(a))
+            subprocess.run(
+                [a.trl_python, os.path.join(a.harness_dir, "make_tiny.py"), "--size", size, "--root", a.bench_root],
+                check=True,
+                env=child_env(a),
+            )
 
     # data: the harness's 100 "a+b=" prompts, plain and with the long instruction; its PRM rows
     data = {}
     for key, prefix in (("grpo_prompts", ""), ("grpo_prompts_long", LONG_PROMPT_PREFIX)):
         data[key] = str(work / f"{key}.jsonl")
         with open(data[key], "w") as f:
-            f.writelines(json.dumps({"prompt": f"{prefix}{x}+{y}=", "answer": str(x + y)}) + "\n"
-                         for x in range(10) for y in range(10))
+            f.writelines(
+                json.dumps({"prompt": f"{prefix}{x}+{y}=", "answer": str(x + y)}) + "\n"
+                for x in range(10)
+                for y in range(10)
+            )
     prm_data = None
     prm_sizes = sorted({c.split("_")[1] for c in configs if c.startswith("prm")})
     if prm_sizes:
         try:  # both sizes share the character tokenizer
-            prm_data = run_probe(a, a.trl_prm_python, "prm-data", harness_dir=a.harness_dir,
-                                 model_dir=models[prm_sizes[0]], out_path=str(work / "prm_rows.jsonl"),
-                                 batch_size=8, max_length=128)
+            prm_data = run_probe(
+                a,
+                a.trl_prm_python,
+                "prm-data",
+                harness_dir=a.harness_dir,
+                model_dir=models[prm_sizes[0]],
+                out_path=str(work / "prm_rows.jsonl"),
+                batch_size=8,
+                max_length=128,
+            )
             if a.prm_data == "harness":
                 data["prm_rows"] = str(work / "prm_rows.jsonl")
         except Exception as e:
-            notes.append(f"PRM data: could not generate the harness's rows ({str(e).splitlines()[0] if str(e) else e}"
-                         "); ours ran on prm.py's built-in task: compare tokens per step")
+            notes.append(
+                f"PRM data: could not generate the harness's rows ({str(e).splitlines()[0] if str(e) else e}"
+                "); ours ran on prm.py's built-in task: compare tokens per step"
+            )
             print(notes[-1], flush=True)
 
     results = {}
     for name in configs:
         kind, size = name.split("_")[:2]
         accum = name.endswith("_accum")
-        cfg = {"kind": kind, "size": size, "model": models[size], "lora": name.endswith("_lora"),
-               "new_tokens": ACCUM_NEW_TOKENS if accum else a.max_new_tokens,
-               "micro_batch": ACCUM_MICRO_BATCH if accum else 16,
-               "prompts": "grpo_prompts_long" if name.endswith("_long") else "grpo_prompts",
-               "max_prompt_length": 80 if name.endswith("_long") else 16}
-        r = results[name] = {"cfg": cfg, "pairs": [], "prm_data": prm_data if kind == "prm" else None,
-                             "shared_rows": bool(data.get("prm_rows"))}
+        cfg = {
+            "kind": kind,
+            "size": size,
+            "model": models[size],
+            "lora": name.endswith("_lora"),
+            "new_tokens": ACCUM_NEW_TOKENS if accum else a.max_new_tokens,
+            "micro_batch": ACCUM_MICRO_BATCH if accum else 16,
+            "prompts": "grpo_prompts_long" if name.endswith("_long") else "grpo_prompts",
+            "max_prompt_length": 80 if name.endswith("_long") else 16,
+        }
+        r = results[name] = {
+            "cfg": cfg,
+            "pairs": [],
+            "prm_data": prm_data if kind == "prm" else None,
+            "shared_rows": bool(data.get("prm_rows")),
+        }
         for rep in range(a.reps):
             rep_dir = work / name / f"rep{rep}"
             rep_dir.mkdir(parents=True, exist_ok=True)
             pair = {"rep": rep}
             for side in ("ours", "trl") if rep % 2 == 0 else ("trl", "ours"):
                 x = pair[side] = run_ours(cfg, a, data, rep_dir) if side == "ours" else run_trl(cfg, a, rep_dir)
-                print(f"{name} rep {rep} {side:<4}: " + (f"FAILED ({x['error']})" if "error" in x else
-                      f"{x['step_s']:.4f} s/step, peak RSS {x['peak_rss_mib']:.0f} MiB, wall {x['wall_s']:.1f} s, "
-                      f"other cores {fmt(x['other_cores'], '.2f')}"), flush=True)
+                if "error" in x:
+                    outcome = f"FAILED ({x['error']})"
+                else:
+                    outcome = (
+                        f"{x['step_s']:.4f} s/step, peak RSS {x['peak_rss_mib']:.0f} MiB, wall {x['wall_s']:.1f} s"
+                    )
+                    outcome += f", other cores {fmt(x['other_cores'], '.2f')}"
+                print(f"{name} rep {rep} {side:<4}: {outcome}", flush=True)
             r["pairs"].append(pair)
 
     text = report(results, a, notes)

@@ -24,6 +24,7 @@ separator). A random policy rarely samples EOS, so every completion runs to 256 
 """
 
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -40,12 +41,30 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Qwen2.5-0.5B's dimensions (its config.json), in a Llama config: see the docstring
 SIZES = {
-    "qwen0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=2048, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                 tie_word_embeddings=True),
+    "qwen0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 # (grpo steps, prompts per step, group size, new tokens), (prm steps, batch size, max length), fsdp steps
 WORKLOADS = {"qwen0.5b": ((5, 8, 8, 256), (20, 16, 1024), 3), "tiny": ((2, 2, 4, 8), (2, 4, 64), 2)}
@@ -76,17 +95,24 @@ def build_model(size: str, directory: Path) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + list(CHARACTERS))}, merges=[],
-                                unk_token="<unk>"))
+    core = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(specials + list(CHARACTERS))}, merges=[], unk_token="<unk>")
+    )
     core.add_special_tokens(specials)
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
-                                        eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
     torch.manual_seed(0)
     dims = SIZES[size]
-    config = LlamaConfig(**dims, head_dim=dims["hidden_size"] // dims["num_attention_heads"], pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        **dims,
+        head_dim=dims["hidden_size"] // dims["num_attention_heads"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -96,8 +122,9 @@ def build_model(size: str, directory: Path) -> int:
 def write_grpo_prompts(path: Path) -> None:
     """grpo.py's built-in prompts as a --data-path, which has no held-out rows: no evaluation to wait for."""
     with open(path, "w") as f:
-        f.writelines(json.dumps({"prompt": f"({n}+7)%10=", "answer": str((n + 7) % 10)}) + "\n"
-                     for n in range(100, 400))
+        f.writelines(
+            json.dumps({"prompt": f"({n}+7)%10=", "answer": str((n + 7) % 10)}) + "\n" for n in range(100, 400)
+        )
 
 
 def write_prm_rows(path: Path, rows: int, max_length: int) -> None:
@@ -110,11 +137,14 @@ def write_prm_rows(path: Path, rows: int, max_length: int) -> None:
         for _ in range(rows):
             prompt = "".join(rng.choice(letters) for _ in range(prompt_tokens))
             steps = ["".join(rng.choice(letters) for _ in range(step_tokens - 1)) for _ in range(10)]
-            f.write(json.dumps({"prompt": prompt, "completions": steps,
-                                "labels": [rng.random() < 0.7 for _ in steps]}) + "\n")
+            f.write(
+                json.dumps({"prompt": prompt, "completions": steps, "labels": [rng.random() < 0.7 for _ in steps]})
+                + "\n"
+            )
 
 
 # ---- a subprocess with a time limit, killed with all its descendants
+
 
 def descendants(pid: int) -> set[int]:
     """Every live descendant of pid, from the parent pids in /proc."""
@@ -166,10 +196,8 @@ def kill_tree(process: subprocess.Popen) -> None:
         for pid in (process.pid, *tree):
             _signal(pid, signal.SIGKILL, group=True)
             _signal(pid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
@@ -214,9 +242,15 @@ def run(name: str, command: list[str], run_dir: Path, log: Path, timeout: float,
     with open(log, "ab") as f:
         f.write(f"== {name}: {' '.join(command)}\n".encode())
         f.flush()
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **CHILD_ENV, **(env or {})},
-                                   stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                   preexec_fn=_child_setup)
+        process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env={**os.environ, **CHILD_ENV, **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_child_setup,
+        )
         stopped = None
         try:
             code = process.wait(timeout=timeout)
@@ -247,12 +281,16 @@ def run(name: str, command: list[str], run_dir: Path, log: Path, timeout: float,
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         print(f"!! {name}: {row['error']}; the end of {log}:\n{tail}", flush=True)
     else:
-        print(f"== {name}: {row['steps']} steps, {number(row.get('step_time_s_mean'), '.3f')} s/step, "
-              f"{row['wall_s']:.1f} s in all", flush=True)
+        print(
+            f"== {name}: {row['steps']} steps, {number(row.get('step_time_s_mean'), '.3f')} s/step, "
+            f"{row['wall_s']:.1f} s in all",
+            flush=True,
+        )
     return row
 
 
 # ---- the report
+
 
 def number(value, spec: str, scale: float = 1.0, suffix: str = "") -> str:
     if not isinstance(value, (int, float)) or math.isnan(value):
@@ -261,28 +299,37 @@ def number(value, spec: str, scale: float = 1.0, suffix: str = "") -> str:
 
 
 def table(results: list[dict], pending: list[str]) -> str:
-    lines = ["| run | steps | s/step (mean, first excluded) | s/step (each) | generated tok/s | trained tok/s | MFU | "
-             "peak memory MiB |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | steps | s/step (mean, first excluded) | s/step (each) | generated tok/s | trained tok/s | MFU | "
+        "peak memory MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         each = ", ".join(f"{t:.3f}" for t in r.get("step_times_s", [])) or "-"
         if "error" in r:
             lines.append(f"| {r['name']} | {r['error']} | | {each} | | | | |")
             continue
         trained = r.get("trained_tokens_per_s", r.get("tokens_per_s"))
-        lines.append(f"| {r['name']} | {r['steps']} | {number(r.get('step_time_s_mean'), '.3f')} | {each} | "
-                     f"{number(r.get('generated_tokens_per_s'), ',.0f')} | {number(trained, ',.0f')} | "
-                     f"{number(r.get('mfu'), '.1f', 100, '%')} | {number(r.get('peak_memory_mb'), ',.0f')} |")
+        lines.append(
+            f"| {r['name']} | {r['steps']} | {number(r.get('step_time_s_mean'), '.3f')} | {each} | "
+            f"{number(r.get('generated_tokens_per_s'), ',.0f')} | {number(trained, ',.0f')} | "
+            f"{number(r.get('mfu'), '.1f', 100, '%')} | {number(r.get('peak_memory_mb'), ',.0f')} |"
+        )
     lines += [f"| {name} | not run (yet) | | | | | | |" for name in pending]
-    lines.append("\ntrained tok/s: prm.py's over the whole step; grpo.py's over its update phase alone (as generated "
-                 "tok/s is over its generation phase alone). All over the steps after the first.")
+    lines.append(
+        "\ntrained tok/s: prm.py's over the whole step; grpo.py's over its update phase alone (as generated "
+        "tok/s is over its generation phase alone). All over the steps after the first."
+    )
     return "\n".join(lines)
 
 
 def write_report(out: Path, header: str, info: dict, results: list[dict], pending: list[str]) -> str:
     """OUT/gpu_check.md and OUT/gpu_check.json, each replaced whole."""
     report = header + "\n" + table(results, pending)
-    for name, text in (("gpu_check.md", report + "\n"),
-                       ("gpu_check.json", json.dumps({**info, "results": results, "pending": pending}, indent=2))):
+    for name, text in (
+        ("gpu_check.md", report + "\n"),
+        ("gpu_check.json", json.dumps({**info, "results": results, "pending": pending}, indent=2)),
+    ):
         (out / f".{name}.tmp").write_text(text)
         os.replace(out / f".{name}.tmp", out / name)
     return report
@@ -307,10 +354,17 @@ def main() -> None:
     parser.add_argument("--size", choices=list(SIZES), default="qwen0.5b")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: check this script (tiny size)")
     parser.add_argument("--timeout", type=float, default=170.0, help="seconds each run may take before it is killed")
-    parser.add_argument("--deadline", type=float, default=0.0,
-                        help="seconds from this script's start by which every run is done or killed (0 = none)")
-    parser.add_argument("--only", default=",".join(RUN_NAMES),
-                        help=f"comma-separated, of {', '.join(RUN_NAMES)} (the --fsdp ones are run last)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        help="seconds from this script's start by which every run is done or killed (0 = none)",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(RUN_NAMES),
+        help=f"comma-separated, of {', '.join(RUN_NAMES)} (the --fsdp ones are run last)",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     names = [name for name in args.only.split(",") if name]
@@ -320,8 +374,10 @@ def main() -> None:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():  # before the model's build
-        parser.error(f"--device cuda: this torch ({torch.__version__}) sees no GPU; on a CPU, check the script "
-                     "with --size tiny --device cpu")
+        parser.error(
+            f"--device cuda: this torch ({torch.__version__}) sees no GPU; on a CPU, check the script "
+            "with --size tiny --device cpu"
+        )
     os.environ.update({k: v for k, v in CHILD_ENV.items() if k != "WANDB_MODE"})  # no hub look-ups here either
 
     out, work = Path(args.out).resolve(), Path(args.work_dir).resolve()
@@ -335,25 +391,58 @@ def main() -> None:
     write_prm_rows(rows_path, batch * prm_steps * 2, max_length)
     write_grpo_prompts(prompts_path)
     common = ["--model", str(model_dir), "--eval-every", "0"]
-    grpo_flags = [*common, "--data-path", str(prompts_path), "--total-steps", str(grpo_steps), "--prompts-per-step",
-                  str(prompts), "--group-size", str(group), "--max-new-tokens", str(new_tokens),
-                  "--max-prompt-length", "64", "--kl-coef", "0.05", "--learning-rate", "1e-6", "--overwrite"]
-    prm_flags = [*common, "--data-path", str(rows_path), "--batch-size", str(batch), "--max-length", str(max_length),
-                 "--total-steps", str(prm_steps), "--learning-rate", "1e-5"]
+    grpo_flags = [
+        *common,
+        "--data-path",
+        str(prompts_path),
+        "--total-steps",
+        str(grpo_steps),
+        "--prompts-per-step",
+        str(prompts),
+        "--group-size",
+        str(group),
+        "--max-new-tokens",
+        str(new_tokens),
+        "--max-prompt-length",
+        "64",
+        "--kl-coef",
+        "0.05",
+        "--learning-rate",
+        "1e-6",
+        "--overwrite",
+    ]
+    prm_flags = [
+        *common,
+        "--data-path",
+        str(rows_path),
+        "--batch-size",
+        str(batch),
+        "--max-length",
+        str(max_length),
+        "--total-steps",
+        str(prm_steps),
+        "--learning-rate",
+        "1e-5",
+    ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
-    commands = {"grpo": [sys.executable, "grpo.py", *grpo_flags],
-                "prm": [sys.executable, "prm.py", *prm_flags],
-                "grpo-fsdp": [*torchrun, "grpo.py", *grpo_flags, "--total-steps", str(fsdp_steps), "--fsdp"],
-                "prm-fsdp": [*torchrun, "prm.py", *prm_flags, "--total-steps", str(fsdp_steps), "--fsdp"]}
+    commands = {
+        "grpo": [sys.executable, "grpo.py", *grpo_flags],
+        "prm": [sys.executable, "prm.py", *prm_flags],
+        "grpo-fsdp": [*torchrun, "grpo.py", *grpo_flags, "--total-steps", str(fsdp_steps), "--fsdp"],
+        "prm-fsdp": [*torchrun, "prm.py", *prm_flags, "--total-steps", str(fsdp_steps), "--fsdp"],
+    }
     commands = {name: [*command, "--output-dir", str(work / name)] for name, command in commands.items()}
     # on CPU: no GPU for the scripts to pick by themselves, one thread a run (this is a check of the script)
     env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"} if args.device == "cpu" else {}
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    header = (f"{args.size}-shaped model, {parameters:,} parameters, random weights, "
-              f"{'bf16 compute' if args.device == 'cuda' else 'fp32'}, on {device}; {versions()}\n"
-              f"grpo: {prompts} prompts x {group} completions, {new_tokens} new tokens, KL 0.05 (reference model); "
-              f"prm: batch {batch}, --max-length {max_length}; at most {args.timeout:.0f} s a run"
-              + (f", {args.deadline:.0f} s in all" if args.deadline else "") + "\n")
+    header = (
+        f"{args.size}-shaped model, {parameters:,} parameters, random weights, "
+        f"{'bf16 compute' if args.device == 'cuda' else 'fp32'}, on {device}; {versions()}\n"
+        f"grpo: {prompts} prompts x {group} completions, {new_tokens} new tokens, KL 0.05 (reference model); "
+        f"prm: batch {batch}, --max-length {max_length}; at most {args.timeout:.0f} s a run"
+        + (f", {args.deadline:.0f} s in all" if args.deadline else "")
+        + "\n"
+    )
     info = {"device": device, "size": args.size, "parameters": parameters, "versions": versions()}
     results: list[dict] = []
     write_report(out, header, info, results, names)
@@ -373,10 +462,10 @@ def main() -> None:
                 except Stopped as stop:
                     results.append(stop.row or {"name": name, "error": str(stop), "command": commands[name]})
                     raise
-            write_report(out, header, info, results, names[len(results):])
+            write_report(out, header, info, results, names[len(results) :])
     except Stopped as stop:  # in a run (its row is in) or between runs (the runs left are listed as not run)
         stopped = stop
-    print(write_report(out, header, info, results, names[len(results):]), flush=True)
+    print(write_report(out, header, info, results, names[len(results) :]), flush=True)
     if stopped is not None:
         sys.exit(128 + stopped.signum)
     sys.exit(1 if any("error" in r for r in results) else 0)

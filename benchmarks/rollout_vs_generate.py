@@ -22,14 +22,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
 
 
-def timed(fn, reps: int) -> float:
-    fn()  # warm-up
+def timed(fn, reps: int, *fn_args) -> float:
+    fn(*fn_args)  # warm-up
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        fn()
+        fn(*fn_args)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def ours(model, prompts, mask, args) -> None:
+    """grpo.py's sampler: each prompt encoded once, its KV cache copied to its group."""
+    repeated = prompts.repeat_interleave(args.group, 0)
+    repeated_mask = mask.repeat_interleave(args.group, 0)
+    generators = [torch.Generator().manual_seed(i) for i in range(args.prompts)]
+    out, _, _ = grpo.generate(
+        model,
+        repeated,
+        repeated_mask,
+        max_new_tokens=args.new_tokens,
+        eos_ids=[-1],
+        pad_id=0,
+        generators=generators,
+        group_size=args.group,
+    )
+    assert out.shape[1] == args.new_tokens
+
+
+@torch.no_grad()
+def theirs(model, prompts, mask, args) -> None:
+    out = model.generate(
+        input_ids=prompts,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        num_return_sequences=args.group,
+        pad_token_id=0,
+    )
+    assert out.shape[1] == prompts.shape[1] + args.new_tokens
 
 
 def main() -> None:
@@ -51,25 +86,14 @@ def main() -> None:
             torch.manual_seed(0)
             prompts = torch.randint(4, vocab, (args.prompts, length))
             mask = torch.ones_like(prompts)
-            repeated, repeated_mask = prompts.repeat_interleave(args.group, 0), mask.repeat_interleave(args.group, 0)
             tokens = args.prompts * args.group * args.new_tokens
-
-            def ours():
-                generators = [torch.Generator().manual_seed(i) for i in range(args.prompts)]
-                out, _, _ = grpo.generate(model, repeated, repeated_mask, max_new_tokens=args.new_tokens, eos_ids=[-1],
-                                          pad_id=0, generators=generators, group_size=args.group)
-                assert out.shape[1] == args.new_tokens
-
-            @torch.no_grad()
-            def theirs():
-                out = model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                     top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                     num_return_sequences=args.group, pad_token_id=0)
-                assert out.shape[1] == length + args.new_tokens
-
-            ours_rate, theirs_rate = tokens / timed(ours, args.reps), tokens / timed(theirs, args.reps)
-            print(f"| {Path(path).name}, {length} tokens | {ours_rate:.0f} tok/s | {theirs_rate:.0f} tok/s | "
-                  f"{ours_rate / theirs_rate:.2f}x |", flush=True)
+            ours_rate = tokens / timed(ours, args.reps, model, prompts, mask, args)
+            theirs_rate = tokens / timed(theirs, args.reps, model, prompts, mask, args)
+            print(
+                f"| {Path(path).name}, {length} tokens | {ours_rate:.0f} tok/s | {theirs_rate:.0f} tok/s | "
+                f"{ours_rate / theirs_rate:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

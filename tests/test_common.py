@@ -1,4 +1,5 @@
 """common.py: the run logger's files are strict JSON, whatever values a run produces."""
+
 import json
 import math
 
@@ -11,22 +12,35 @@ from common import RunLogger
 
 def strict_json(text: str):
     """json.loads that refuses NaN and Infinity, as jq and JavaScript's JSON.parse do."""
+
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
+
     return json.loads(text, parse_constant=refuse)
 
 
 def test_non_finite_values_are_written_as_null_and_shown_as_nan(tmp_path, capsys):
     logger = RunLogger(str(tmp_path), {}, console_keys={"loss": "loss", "kl_mean": "kl"})
-    logger.log(1, {"loss": float("nan"), "kl_mean": torch.tensor(float("inf")), "entropy": np.float32("-inf"),
-                   "reward": 0.5, "count": 3})
+    logger.log(
+        1,
+        {
+            "loss": float("nan"),
+            "kl_mean": torch.tensor(float("inf")),
+            "entropy": np.float32("-inf"),
+            "reward": 0.5,
+            "count": 3,
+        },
+    )
     logger.log(2, {"loss": torch.tensor(0.25), "kl_mean": 0.0, "entropy": 1.5, "reward": 1.0, "count": 4})
-    logger.summary({"mfu": float("nan"), "steps": 2, "per_fn": {"answer": float("nan"), "format": [1.0, math.inf]}},
-                   str(tmp_path))
+    logger.summary(
+        {"mfu": float("nan"), "steps": 2, "per_fn": {"answer": float("nan"), "format": [1.0, math.inf]}}, str(tmp_path)
+    )
     logger.close()
     rows = [strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 1, "loss": None, "kl_mean": None, "entropy": None, "reward": 0.5, "count": 3},
-                    {"step": 2, "loss": 0.25, "kl_mean": 0.0, "entropy": 1.5, "reward": 1.0, "count": 4}]
+    assert rows == [
+        {"step": 1, "loss": None, "kl_mean": None, "entropy": None, "reward": 0.5, "count": 3},
+        {"step": 2, "loss": 0.25, "kl_mean": 0.0, "entropy": 1.5, "reward": 1.0, "count": 4},
+    ]
     summary = strict_json((tmp_path / "summary.json").read_text())
     assert summary == {"mfu": None, "steps": 2, "per_fn": {"answer": None, "format": [1.0, None]}}
     console = capsys.readouterr().out

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py shrunk to run on CPU: every run in it must finish and report, and a run that hangs must be
 killed (torchrun's workers too) and recorded."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 import time
 
 import pytest
+
 from conftest import REPO_ROOT
 
 SCRIPT = "benchmarks/gpu_check.py"
@@ -38,10 +40,8 @@ def assert_no_process_left(text: str) -> None:
             return
         time.sleep(0.1)
     for pid in left:  # cleanup of this test's own processes, then fail
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     raise AssertionError(f"processes left running: {left}")
 
 
@@ -55,8 +55,11 @@ def load_gpu_check():
 def test_gpu_check_runs_and_reports_on_a_small_size(tmp_path, monkeypatch):
     """Its main() here, with one of its runs (the others differ in their command lines only)."""
     out, work, gpu_check = tmp_path / "out", tmp_path / "work", load_gpu_check()
-    monkeypatch.setattr(sys, "argv", [SCRIPT, "--size", "tiny", "--device", "cpu", "--out", str(out), "--work-dir",
-                                      str(work), "--only", "prm"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [SCRIPT, "--size", "tiny", "--device", "cpu", "--out", str(out), "--work-dir", str(work), "--only", "prm"],
+    )
     handlers = {sig: signal.getsignal(sig) for sig in gpu_check.STOP_SIGNALS}
     try:
         with pytest.raises(SystemExit) as exit_info:
@@ -85,10 +88,12 @@ def test_a_run_past_its_timeout_is_killed_with_its_workers_and_recorded(tmp_path
     process group alone would leave it running."""
     gpu_check = load_gpu_check()
     worker_pid = tmp_path / "worker.pid"
-    launcher = ("import subprocess, sys, time; "
-                f"w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {str(tmp_path)!r}], "
-                "start_new_session=True); "
-                f"open({str(worker_pid)!r}, 'w').write(str(w.pid)); print('launched', flush=True); time.sleep(600)")
+    launcher = (
+        "import subprocess, sys, time; "
+        f"w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {str(tmp_path)!r}], "
+        "start_new_session=True); "
+        f"open({str(worker_pid)!r}, 'w').write(str(w.pid)); print('launched', flush=True); time.sleep(600)"
+    )
     log = tmp_path / "hang.log"
     started = time.perf_counter()
     row = gpu_check.run("hang", [sys.executable, "-c", launcher, str(tmp_path)], tmp_path / "run", log, timeout=2)

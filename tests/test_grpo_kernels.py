@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from grpo import (
-    load_model,
     completion_logprobs,
     filter_logits,
     generate,
@@ -17,6 +16,7 @@ from grpo import (
     grpo_loss,
     kl_penalty,
     left_pad,
+    load_model,
     token_logprobs,
 )
 
@@ -61,9 +61,21 @@ def naive_policy(x: float, a: float, eps_low: float, eps_high: float, delta) -> 
     return -unclipped, (0.0 if capped else -a * r)  # a tie has the unclipped term's gradient
 
 
-def naive_loss(batch, *, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, loss_type="grpo",
-               max_completion_length=None, delta=None, importance_sampling="token", kl_estimator="k3",
-               kl_ratio_weighted=False, total_sequences=None, total_tokens=None):
+def naive_loss(
+    batch,
+    *,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    kl_coef=0.0,
+    loss_type="grpo",
+    max_completion_length=None,
+    delta=None,
+    importance_sampling="token",
+    kl_estimator="k3",
+    kl_ratio_weighted=False,
+    total_sequences=None,
+    total_tokens=None,
+):
     """(loss, d loss / d logp as [B][T] lists, stats) of grpo_loss's documented formula, token by token."""
     logp, old_logp, ref_logp, adv, mask = (x.double().tolist() for x in batch)
     n_seq = len(logp) if total_sequences is None else total_sequences
@@ -72,9 +84,12 @@ def naive_loss(batch, *, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, loss_
     sums = dict(ratio=0.0, low=0.0, high=0.0, pg=0.0, kl=0.0, tokens=0.0)
     for i in range(len(logp)):
         n_i = sum(mask[i])
-        weight = {"grpo": 1.0 / n_i / n_seq if n_i else 0.0, "bnpo": 1.0 / max(n_tok, 1.0),
-                  "dapo": 1.0 / max(n_tok, 1.0),
-                  "dr_grpo": 1.0 / (n_seq * (max_completion_length or 1))}[loss_type]
+        weight = {
+            "grpo": 1.0 / n_i / n_seq if n_i else 0.0,
+            "bnpo": 1.0 / max(n_tok, 1.0),
+            "dapo": 1.0 / max(n_tok, 1.0),
+            "dr_grpo": 1.0 / (n_seq * (max_completion_length or 1)),
+        }[loss_type]
         # GSPO: the row's mean log-ratio stands for every token's; d(sum_t m_t P(mean)) / d logp_t' = P'(mean) m_t'
         row_x = sum(m * (lp - o) for lp, o, m in zip(logp[i], old_logp[i], mask[i])) / max(n_i, 1.0)
         row_grads = []
@@ -96,14 +111,20 @@ def naive_loss(batch, *, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, loss_
                 sums["ratio"] += r
                 sums["low"] += adv[i] < 0 and r < 1.0 - clip_eps_low
                 sums["high"] += (adv[i] > 0 and r > 1.0 + clip_eps_high) or (
-                    delta is not None and adv[i] < 0 and r > delta)
+                    delta is not None and adv[i] < 0 and r > delta
+                )
                 sums["pg"] += policy
                 sums["kl"] += kl
                 sums["tokens"] += 1
         grads.append(row_grads)
     count = max(sums["tokens"], 1.0)
-    stats = {"ratio_mean": sums["ratio"] / count, "clip_frac_low": sums["low"] / count,
-             "clip_frac_high": sums["high"] / count, "pg_loss": sums["pg"] / count, "tokens": sums["tokens"]}
+    stats = {
+        "ratio_mean": sums["ratio"] / count,
+        "clip_frac_low": sums["low"] / count,
+        "clip_frac_high": sums["high"] / count,
+        "pg_loss": sums["pg"] / count,
+        "tokens": sums["tokens"],
+    }
     if kl_coef:
         stats["kl_mean"] = sums["kl"] / count
     return loss, grads, stats
@@ -114,7 +135,7 @@ def naive_advantages(rewards: list, group_size: int, scale: str, eps: float = 1e
     batch_std = statistics.stdev(rewards)
     out = []
     for start in range(0, len(rewards), group_size):
-        group = rewards[start:start + group_size]
+        group = rewards[start : start + group_size]
         mean = sum(group) / len(group)
         std = math.sqrt(sum((v - mean) ** 2 for v in group) / (len(group) - 1))
         for v in group:
@@ -127,7 +148,7 @@ def naive_advantages(rewards: list, group_size: int, scale: str, eps: float = 1e
 
 def naive_filter(values: list, top_k: int, top_p: float) -> set:
     """Ids kept: the top_k largest, then the smallest prefix by probability (renormalised) reaching top_p."""
-    kept = sorted(range(len(values)), key=lambda j: -values[j])[:top_k or None]
+    kept = sorted(range(len(values)), key=lambda j: -values[j])[: top_k or None]
     if top_p < 1.0:
         weights = [math.exp(values[j] - values[kept[0]]) for j in kept]
         nucleus, mass = [], 0.0
@@ -205,10 +226,15 @@ def test_group_advantages_match_loops(scale):
 def test_group_advantages_hand_values():
     # Bessel: [3, 1] has mean 2 and std sqrt(2) (the population std, 1, would give +-1)
     assert group_advantages(torch.tensor([3.0, 1.0]), 2, "group", eps=0.0).tolist() == pytest.approx(
-        [1 / math.sqrt(2), -1 / math.sqrt(2)], rel=1e-6)
+        [1 / math.sqrt(2), -1 / math.sqrt(2)], rel=1e-6
+    )
     # squared deviations of 1e30 overflow float32: the advantages must not
-    torch.testing.assert_close(group_advantages(torch.tensor([0.0, 1e30, 0.0, 1e30]), 2, "group"),
-                               torch.tensor([-1.0, 1.0, -1.0, 1.0]) / math.sqrt(2), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        group_advantages(torch.tensor([0.0, 1e30, 0.0, 1e30]), 2, "group"),
+        torch.tensor([-1.0, 1.0, -1.0, 1.0]) / math.sqrt(2),
+        rtol=1e-5,
+        atol=0,
+    )
     as_float = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), 3)
     for rewards in (torch.tensor([1, 0, 0, 1, 1, 1]), torch.tensor([True, False, False, True, True, True])):
         assert torch.equal(group_advantages(rewards, 3), as_float)
@@ -249,25 +275,39 @@ def test_kl_penalty_matches_naive(estimator):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
-@pytest.mark.parametrize("kl_coef,kl_estimator,kl_ratio_weighted",
-                         [(0.0, "k3", False), (0.1, "k3", False), (0.3, "k1", False), (0.2, "k2", False),
-                          (0.2, "k3", True)])
+@pytest.mark.parametrize(
+    "kl_coef,kl_estimator,kl_ratio_weighted",
+    [(0.0, "k3", False), (0.1, "k3", False), (0.3, "k1", False), (0.2, "k2", False), (0.2, "k3", True)],
+)
 @pytest.mark.parametrize("delta", [None, DELTA])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_grpo_loss_matches_naive(loss_type, importance_sampling, kl_coef, kl_estimator, kl_ratio_weighted, delta,
-                                 dtype):
+def test_grpo_loss_matches_naive(
+    loss_type, importance_sampling, kl_coef, kl_estimator, kl_ratio_weighted, delta, dtype
+):
     batch = make_batch(seed=11, dtype=dtype)
     r, adv, on = ratios(batch, importance_sampling), batch[3][:, None], batch[4] > 0
     # the batch really has every case: each clip side for each sign of A, beyond delta, inside, and no ties
-    for case in (adv > 0) & (r > 1 + EPS_HIGH), (adv < 0) & (r < 1 - EPS_LOW), (adv < 0) & (r > DELTA), (
-            (r > 1 - EPS_LOW) & (r < 1 + EPS_HIGH)):
+    for case in (
+        (adv > 0) & (r > 1 + EPS_HIGH),
+        (adv < 0) & (r < 1 - EPS_LOW),
+        (adv < 0) & (r > DELTA),
+        ((r > 1 - EPS_LOW) & (r < 1 + EPS_HIGH)),
+    ):
         assert (case & on).any()
     if importance_sampling == "token":
         assert ((adv > 0) & (r < 1 - EPS_LOW) & on).any() and ((adv < 0) & (r > 1 + EPS_HIGH) & (r < DELTA) & on).any()
     assert min((r[on] - bound).abs().min().item() for bound in (1 - EPS_LOW, 1 + EPS_HIGH, DELTA)) > 1e-3
-    kwargs = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=kl_coef, loss_type=loss_type,
-                  max_completion_length=MAX_LEN, delta=delta, importance_sampling=importance_sampling,
-                  kl_estimator=kl_estimator, kl_ratio_weighted=kl_ratio_weighted)
+    kwargs = dict(
+        clip_eps_low=EPS_LOW,
+        clip_eps_high=EPS_HIGH,
+        kl_coef=kl_coef,
+        loss_type=loss_type,
+        max_completion_length=MAX_LEN,
+        delta=delta,
+        importance_sampling=importance_sampling,
+        kl_estimator=kl_estimator,
+        kl_ratio_weighted=kl_ratio_weighted,
+    )
     loss, stats, grad = run_loss(batch, **kwargs)
     expected, expected_grad, expected_stats = naive_loss(batch, **kwargs)
     rel = 1e-10 if dtype == torch.float64 else 1e-5
@@ -289,7 +329,8 @@ def test_gspo_on_policy_equals_token_level(loss_type):
     batch = (logp, logp.clone(), ref_logp, adv, mask)
     kwargs = dict(kl_coef=0.1, loss_type=loss_type, max_completion_length=MAX_LEN, delta=DELTA)
     (seq_loss, _, seq_grad), (token_loss, _, token_grad) = (
-        run_loss(batch, importance_sampling=level, **kwargs) for level in ("sequence", "token"))
+        run_loss(batch, importance_sampling=level, **kwargs) for level in ("sequence", "token")
+    )
     assert seq_loss.item() == pytest.approx(token_loss.item(), rel=1e-12)
     torch.testing.assert_close(seq_grad, token_grad, rtol=1e-12, atol=1e-15)
 
@@ -352,11 +393,12 @@ def test_delta_bounds_negative_advantage():
     # INTELLECT-2: for A < 0 the token loss stops at -delta A, without gradient beyond; A > 0 is unchanged
     logp = torch.tensor([[math.log(r) for r in (1.2, 1.4, 1.6, 3.0)]], dtype=torch.float64)
     old, mask = torch.zeros_like(logp), torch.ones_like(logp)
-    for a, value, gradient, high in ((-1.0, 1.2 + 1.4 + 1.5 + 1.5, [1.2, 1.4, 0, 0], 0.5),
-                                     (1.0, -1.2 - 3 * 1.28, [-1.2, 0, 0, 0], 0.75)):
+    for a, value, gradient, high in (
+        (-1.0, 1.2 + 1.4 + 1.5 + 1.5, [1.2, 1.4, 0, 0], 0.5),
+        (1.0, -1.2 - 3 * 1.28, [-1.2, 0, 0, 0], 0.75),
+    ):
         batch = (logp, old, None, torch.tensor([a], dtype=torch.float64), mask)
-        loss, stats, grad = run_loss(batch, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, delta=DELTA,
-                                     loss_type="bnpo")
+        loss, stats, grad = run_loss(batch, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, delta=DELTA, loss_type="bnpo")
         assert loss.item() == pytest.approx(value / 4) and grad[0].tolist() == pytest.approx([g / 4 for g in gradient])
         assert stats["clip_frac_high"].item() == pytest.approx(high) and stats["clip_frac_low"].item() == 0.0
 
@@ -370,15 +412,30 @@ SPLITS = {"halves": [0, 4, 8], "uneven": [0, 3, 8], "two_processes": [0, 1, 4, 7
 @pytest.mark.parametrize("split", SPLITS)
 def test_parts_sum_to_the_whole_batch(loss_type, importance_sampling, split):
     logp, old_logp, ref_logp, adv, mask = make_batch(seed=31)
-    kwargs = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=0.1, loss_type=loss_type,
-                  max_completion_length=MAX_LEN, delta=DELTA, importance_sampling=importance_sampling)
+    kwargs = dict(
+        clip_eps_low=EPS_LOW,
+        clip_eps_high=EPS_HIGH,
+        kl_coef=0.1,
+        loss_type=loss_type,
+        max_completion_length=MAX_LEN,
+        delta=DELTA,
+        importance_sampling=importance_sampling,
+    )
     whole, _, whole_grad = run_loss((logp, old_logp, ref_logp, adv, mask), **kwargs)
     leaf, summed = logp.clone().requires_grad_(True), 0.0
     bounds = SPLITS[split]
     for start, end in zip(bounds, bounds[1:]):
         part = slice(start, end)
-        loss, _ = grpo_loss(leaf[part], old_logp[part], ref_logp[part], adv[part], mask[part],
-                            total_sequences=len(adv), total_tokens=mask.sum().item(), **kwargs)
+        loss, _ = grpo_loss(
+            leaf[part],
+            old_logp[part],
+            ref_logp[part],
+            adv[part],
+            mask[part],
+            total_sequences=len(adv),
+            total_tokens=mask.sum().item(),
+            **kwargs,
+        )
         loss.backward()  # accumulates into leaf.grad, as gradient accumulation and the all-reduce sum do
         summed += loss.item()
     assert summed == pytest.approx(whole.item(), rel=1e-12, abs=1e-14)
@@ -388,16 +445,26 @@ def test_parts_sum_to_the_whole_batch(loss_type, importance_sampling, split):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_masked_positions_contribute_nothing(loss_type):
     batch = make_batch(seed=21, dtype=torch.float32)
-    kwargs = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=0.1, loss_type=loss_type,
-                  max_completion_length=MAX_LEN, delta=DELTA)
+    kwargs = dict(
+        clip_eps_low=EPS_LOW,
+        clip_eps_high=EPS_HIGH,
+        kl_coef=0.1,
+        loss_type=loss_type,
+        max_completion_length=MAX_LEN,
+        delta=DELTA,
+    )
     clean_loss, clean_stats, clean_grad = run_loss(batch, **kwargs)
     logp, old_logp, ref_logp, adv, mask = batch
     off = mask == 0
     # whatever masked positions hold: exp overflows in the ratio or in k3, -inf, garbage, a huge A on the empty row
     for fill in ({"old": -101.0}, {"ref": 99.0}, {"old": -math.inf}, {"logp": -40.0, "old": -7.0, "ref": -60.0}):
-        dirty = (logp.masked_fill(off, fill.get("logp", -1.0)), old_logp.masked_fill(off, fill.get("old", -1.0)),
-                 ref_logp.masked_fill(off, fill.get("ref", -1.0)), adv.clone().index_fill_(0, torch.tensor([3]), 1e6),
-                 mask)
+        dirty = (
+            logp.masked_fill(off, fill.get("logp", -1.0)),
+            old_logp.masked_fill(off, fill.get("old", -1.0)),
+            ref_logp.masked_fill(off, fill.get("ref", -1.0)),
+            adv.clone().index_fill_(0, torch.tensor([3]), 1e6),
+            mask,
+        )
         loss, stats, grad = run_loss(dirty, **kwargs)
         assert loss.item() == pytest.approx(clean_loss.item(), rel=1e-6), fill
         assert torch.isfinite(grad).all() and (grad[off] == 0).all(), fill
@@ -409,8 +476,12 @@ def test_masked_positions_contribute_nothing(loss_type):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_all_masked_batch(loss_type):
     logp, old_logp, ref_logp, adv, mask = make_batch(seed=2, dtype=torch.float32)
-    loss, stats, grad = run_loss((logp, old_logp, ref_logp, adv, torch.zeros_like(mask)), kl_coef=0.1,
-                                 loss_type=loss_type, max_completion_length=MAX_LEN)
+    loss, stats, grad = run_loss(
+        (logp, old_logp, ref_logp, adv, torch.zeros_like(mask)),
+        kl_coef=0.1,
+        loss_type=loss_type,
+        max_completion_length=MAX_LEN,
+    )
     assert loss.item() == 0.0 and (grad == 0).all()
     assert all(torch.isfinite(value) for value in stats.values()) and stats["tokens"].item() == 0
 
@@ -432,17 +503,22 @@ def test_low_precision_inputs_and_mask_dtypes():
             assert stats[key].item() == pytest.approx(value.item(), rel=1e-6), key
         for m in (mask.bool(), mask.long()):
             assert grpo_loss(logp.float(), old_logp.float(), ref_logp.float(), adv, m, **kwargs)[0].item() == (
-                pytest.approx(expected.item(), rel=1e-6))
+                pytest.approx(expected.item(), rel=1e-6)
+            )
 
 
-@pytest.mark.parametrize("call", [
-    lambda z: group_advantages(z[0], 2, "median"),
-    lambda z: kl_penalty(z[0], z[0], "k4"),
-    lambda z: grpo_loss(*z, loss_type="sum"),
-    lambda z: grpo_loss(*z, importance_sampling="tokens"),
-    lambda z: grpo_loss(*z, kl_coef=0.1),  # KL without ref_logp
-    lambda z: grpo_loss(*z, loss_type="dr_grpo"),  # without max_completion_length
-], ids=["scale", "estimator", "loss_type", "importance_sampling", "no_ref", "no_max_len"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda z: group_advantages(z[0], 2, "median"),
+        lambda z: kl_penalty(z[0], z[0], "k4"),
+        lambda z: grpo_loss(*z, loss_type="sum"),
+        lambda z: grpo_loss(*z, importance_sampling="tokens"),
+        lambda z: grpo_loss(*z, kl_coef=0.1),  # KL without ref_logp
+        lambda z: grpo_loss(*z, loss_type="dr_grpo"),  # without max_completion_length
+    ],
+    ids=["scale", "estimator", "loss_type", "importance_sampling", "no_ref", "no_max_len"],
+)
 def test_unknown_choices_raise(call):
     logp = torch.zeros(2, 2)
     with pytest.raises((ValueError, KeyError, AttributeError, TypeError)):  # Python's own errors, not silence
@@ -462,8 +538,9 @@ def test_token_logprobs_match_fp64_reference(temperature, vocab_size, dtype):
     logits[..., 6:] += 40.0  # padded output rows past the tokenizer's ids: they would take all the mass
     logits = logits.to(dtype).requires_grad_(True)
     targets = torch.randint(0, 6, (5, 4), generator=g)
-    logp, entropy = token_logprobs(logits, targets, temperature, with_entropy=True, rows_per_chunk=2,
-                                   vocab_size=vocab_size)
+    logp, entropy = token_logprobs(
+        logits, targets, temperature, with_entropy=True, rows_per_chunk=2, vocab_size=vocab_size
+    )
     expected, expected_entropy = reference_logp(logits.detach(), targets, temperature, vocab_size)
     assert logp.dtype == torch.float32 and logp.shape == targets.shape
     torch.testing.assert_close(logp.double(), expected, rtol=0, atol=1e-5)
@@ -474,7 +551,7 @@ def test_token_logprobs_match_fp64_reference(temperature, vocab_size, dtype):
     probs = torch.softmax(logits.detach()[..., :vocab_size].double() / temperature, -1)
     onehot = torch.nn.functional.one_hot(targets, probs.shape[-1]).double()
     expected_grad = torch.zeros(logits.shape, dtype=torch.float64)
-    expected_grad[..., :probs.shape[-1]] = (onehot - probs) / temperature
+    expected_grad[..., : probs.shape[-1]] = (onehot - probs) / temperature
     atol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16 gradients: 8 bits of mantissa
     torch.testing.assert_close(logits.grad.double(), expected_grad, rtol=0, atol=atol)
 
@@ -582,8 +659,14 @@ def seeded(count: int, seed: int) -> list:
 
 def run_generate(tokenizer, model, prompts, eos_ids=None, **kwargs):
     ids, mask = left_pad(prompts, tokenizer.pad_token_id, "cpu")
-    return generate(model, ids, mask, eos_ids=tokenizer.eos_token_id if eos_ids is None else eos_ids,
-                    pad_id=tokenizer.pad_token_id, **kwargs)
+    return generate(
+        model,
+        ids,
+        mask,
+        eos_ids=tokenizer.eos_token_id if eos_ids is None else eos_ids,
+        pad_id=tokenizer.pad_token_id,
+        **kwargs,
+    )
 
 
 def expected_mask(tokens: list, eos_ids: list) -> list:
@@ -609,24 +692,36 @@ def test_greedy_generation_matches_a_no_cache_loop(tiny, which):
     again = run_generate(tokenizer, model, prompts, max_new_tokens=8)
     assert torch.equal(again[0], tokens) and torch.equal(again[1], mask)
     # top_k = 1 sampling is greedy whatever the temperature
-    top1 = run_generate(tokenizer, model, prompts, max_new_tokens=8, temperature=0.7, top_k=1,
-                        generators=seeded(len(prompts), 9))
+    top1 = run_generate(
+        tokenizer, model, prompts, max_new_tokens=8, temperature=0.7, top_k=1, generators=seeded(len(prompts), 9)
+    )
     assert torch.equal(top1[0], tokens) and torch.equal(top1[1], mask)
 
 
-@pytest.mark.parametrize("which,dtype,boosts,max_new,atol", [
-    ("plain", torch.float32, {"<eos>": 0.5}, 8, 1e-5),
-    ("sharp", torch.float64, {}, 8, 1e-6),
-    ("sharp", torch.float32, {"<eos>": 3.0, "7": 3.0}, 20, 3e-5),  # "7" a second EOS id; every row ends early
-], ids=["plain", "sharp_fp64", "two_eos_ids"])
+@pytest.mark.parametrize(
+    "which,dtype,boosts,max_new,atol",
+    [
+        ("plain", torch.float32, {"<eos>": 0.5}, 8, 1e-5),
+        ("sharp", torch.float64, {}, 8, 1e-6),
+        ("sharp", torch.float32, {"<eos>": 3.0, "7": 3.0}, 20, 3e-5),  # "7" a second EOS id; every row ends early
+    ],
+    ids=["plain", "sharp_fp64", "two_eos_ids"],
+)
 def test_sampler_mask_and_logprobs(tiny, which, dtype, boosts, max_new, atol):
     tokenizer, models, prompts = tiny
     boosts = {tokenizer.convert_tokens_to_ids(token): boost for token, boost in boosts.items()}
     eos_ids = sorted(boosts) if len(boosts) > 1 else [tokenizer.eos_token_id]
     model = boosted(models[which], boosts).to(dtype)  # (a copy: the fixture's model stays fp32)
     rows, temperature = prompts * 2, 0.7
-    tokens, mask, sampler_logp = run_generate(tokenizer, model, rows, eos_ids=eos_ids, max_new_tokens=max_new,
-                                              temperature=temperature, generators=seeded(len(rows), 3))
+    tokens, mask, sampler_logp = run_generate(
+        tokenizer,
+        model,
+        rows,
+        eos_ids=eos_ids,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        generators=seeded(len(rows), 3),
+    )
     assert tokens.shape == mask.shape == sampler_logp.shape and tokens.shape[0] == len(rows)
     ended = [bool(set(row) & set(eos_ids)) for row in tokens.tolist()]
     if len(eos_ids) > 1:  # every row ended, so generation stopped early; each EOS id ended some row
@@ -639,7 +734,7 @@ def test_sampler_mask_and_logprobs(tiny, which, dtype, boosts, max_new, atol):
         assert mask[b].tolist() == expected_mask(row, eos_ids)
         n = int(mask[b].sum())
         assert row[n:] == [tokenizer.pad_token_id] * (len(row) - n)
-        logits = row_logits(model, prompt + row[:n])[len(prompt) - 1:-1]
+        logits = row_logits(model, prompt + row[:n])[len(prompt) - 1 : -1]
         expected, _ = reference_logp(logits, tokens[b, :n], temperature)
         torch.testing.assert_close(sampler_logp[b, :n].double(), expected, rtol=0, atol=atol)
         if b == 0:  # the temperature is applied
@@ -656,12 +751,13 @@ def test_sampling_is_reproducible_and_draws_within_top_k_top_p(tiny):
     assert not torch.equal(run_generate(tokenizer, model, rows, generators=seeded(10, 6), **kwargs)[0], tokens)
     for b, prompt in enumerate(rows):
         n = int(mask[b].sum())
-        logits = row_logits(model, prompt + tokens[b, :n].tolist())[len(prompt) - 1:-1]
+        logits = row_logits(model, prompt + tokens[b, :n].tolist())[len(prompt) - 1 : -1]
         for t in range(n):
             assert tokens[b, t].item() in naive_filter((logits[t] / 0.7).tolist(), 4, 0.8)
         # the recorded log-prob is the full softmax's at T, not the filtered one's
-        torch.testing.assert_close(sampler_logp[b, :n].double(), reference_logp(logits, tokens[b, :n], 0.7)[0],
-                                   rtol=0, atol=3e-5)
+        torch.testing.assert_close(
+            sampler_logp[b, :n].double(), reference_logp(logits, tokens[b, :n], 0.7)[0], rtol=0, atol=3e-5
+        )
 
 
 def test_group_size_prefill_equals_repeated_rows(tiny):
@@ -670,8 +766,7 @@ def test_group_size_prefill_equals_repeated_rows(tiny):
     rows = [prompt for prompt in prompts for _ in range(3)]
     kwargs = dict(max_new_tokens=6, temperature=0.9)
     single = run_generate(tokenizer, models["sharp"], rows, generators=seeded(len(prompts), 1), **kwargs)
-    grouped = run_generate(tokenizer, models["sharp"], rows, generators=seeded(len(prompts), 1), group_size=3,
-                           **kwargs)
+    grouped = run_generate(tokenizer, models["sharp"], rows, generators=seeded(len(prompts), 1), group_size=3, **kwargs)
     assert torch.equal(grouped[0], single[0]) and torch.equal(grouped[1], single[1])
     assert len({tuple(row) for row in single[0].tolist()}) > len(prompts)  # the rows of a group differ
     torch.testing.assert_close(grouped[2], single[2], rtol=0, atol=1e-5)
@@ -699,8 +794,9 @@ def test_gumbel_sampling_draws_from_the_softmax(tiny):
     fixed = torch.randn(23, generator=torch.Generator().manual_seed(0))
     model = hooked(models["plain"], lambda logits: fixed.expand_as(logits).clone())
     rows = 6000
-    tokens, _, logp = run_generate(tokenizer, model, [[1]] * rows, eos_ids=[2], max_new_tokens=1, temperature=0.8,
-                                   generators=seeded(rows, 4))
+    tokens, _, logp = run_generate(
+        tokenizer, model, [[1]] * rows, eos_ids=[2], max_new_tokens=1, temperature=0.8, generators=seeded(rows, 4)
+    )
     expected = torch.softmax(fixed.double() / 0.8, -1)
     frequencies = torch.bincount(tokens[:, 0], minlength=23).double() / rows
     assert ((frequencies - expected).abs() <= 4 * (expected * (1 - expected) / rows).sqrt() + 1e-12).all()
@@ -724,19 +820,23 @@ def test_completion_logprobs_match_full_forward(tiny, vocab_size):
     ids, mask = left_pad(rows, tokenizer.pad_token_id, "cpu")
     completion, completion_mask = random_completions(1, len(rows), 6)
     with torch.no_grad():
-        logp, entropy = completion_logprobs(model, ids, mask, completion, completion_mask, 0.7, with_entropy=True,
-                                            vocab_size=vocab_size)
+        logp, entropy = completion_logprobs(
+            model, ids, mask, completion, completion_mask, 0.7, with_entropy=True, vocab_size=vocab_size
+        )
     assert logp.shape == completion.shape and logp.dtype == torch.float32
     for b, prompt in enumerate(rows):
         n = int(completion_mask[b].sum())
-        logits = row_logits(model, prompt + completion[b, :n].tolist())[len(prompt) - 1:-1]
+        logits = row_logits(model, prompt + completion[b, :n].tolist())[len(prompt) - 1 : -1]
         expected, expected_entropy = reference_logp(logits, completion[b, :n], 0.7, vocab_size)
         torch.testing.assert_close(logp[b, :n].double(), expected, rtol=0, atol=3e-5)
         torch.testing.assert_close(entropy[b, :n].double(), expected_entropy, rtol=0, atol=3e-5)
 
 
-@pytest.mark.parametrize("rows,length", [(list(range(2, 10)), 6), ([9, 2, 6, 0, 11, 5, 3, 8], 6), (list(range(12)), 1)],
-                         ids=["cut_groups", "interleaved", "one_token"])
+@pytest.mark.parametrize(
+    "rows,length",
+    [(list(range(2, 10)), 6), ([9, 2, 6, 0, 11, 5, 3, 8], 6), (list(range(12)), 1)],
+    ids=["cut_groups", "interleaved", "one_token"],
+)
 def test_prompt_of_row_equals_every_row_encoded(tiny, rows, length):
     """Each prompt encoded once, its KV cache indexed out to its rows: the same log-probs, entropies and weight
     gradients as every row's prompt encoded, for a micro-batch that cuts groups, rows of several prompts
@@ -752,8 +852,9 @@ def test_prompt_of_row_equals_every_row_encoded(tiny, rows, length):
 
     def run(plan):
         model.zero_grad(set_to_none=True)
-        logp, entropy = completion_logprobs(model, ids, mask, completion, completion_mask, 0.7, with_entropy=True,
-                                            prompt_of_row=plan)
+        logp, entropy = completion_logprobs(
+            model, ids, mask, completion, completion_mask, 0.7, with_entropy=True, prompt_of_row=plan
+        )
         (logp * completion_mask).sum().backward()
         return logp.detach()[on], entropy[on], {name: p.grad.clone() for name, p in model.named_parameters()}
 

@@ -1,4 +1,5 @@
 """Answer and format rewards: exact numbers, Math-Verify for symbolic answers, hedges, cut-offs, no SIGALRM."""
+
 import signal
 import sys
 import threading
@@ -67,12 +68,25 @@ def test_answer_reward(completion, answer, expected):
     assert answer_reward(completion, answer) == expected
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("5", 1.0), ("-3.5", 1.0), ("05", 0.0), ("5.", 0.0), ("five", 0.0),
-    (COT + "\n#### 18", 1.0), (COT + "\n#### 1,234.", 1.0), (COT + "\n#### 18 dollars", 0.0),
-    ("So the answer is $\\boxed{\\frac{1}{2}}$.", 1.0), ("\\[ \\boxed{18} \\]", 1.0), ("\\boxed{}", 0.0),
-    ("\\boxed{18} is the answer", 0.0), ("The answer is \\boxed{18", 0.0), (COT, 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("5", 1.0),
+        ("-3.5", 1.0),
+        ("05", 0.0),
+        ("5.", 0.0),
+        ("five", 0.0),
+        (COT + "\n#### 18", 1.0),
+        (COT + "\n#### 1,234.", 1.0),
+        (COT + "\n#### 18 dollars", 0.0),
+        ("So the answer is $\\boxed{\\frac{1}{2}}$.", 1.0),
+        ("\\[ \\boxed{18} \\]", 1.0),
+        ("\\boxed{}", 0.0),
+        ("\\boxed{18} is the answer", 0.0),
+        ("The answer is \\boxed{18", 0.0),
+        (COT, 0.0),
+    ],
+)
 def test_format_reward(completion, expected):
     assert format_reward(completion, "18") == expected
 

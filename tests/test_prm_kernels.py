@@ -48,8 +48,10 @@ def test_micro_batch_losses_with_the_batch_count_sum_to_the_batch_loss_and_gradi
     whole = logits.clone().requires_grad_()
     prm.prm_loss(whole, labels, mask, kind)[0].backward()
     parts = logits.clone().requires_grad_()
-    total = sum(prm.prm_loss(parts[i:i + 2], labels[i:i + 2], mask[i:i + 2], kind,
-                             num_labelled=mask.sum().item())[0] for i in range(0, 6, 2))
+    total = sum(
+        prm.prm_loss(parts[i : i + 2], labels[i : i + 2], mask[i : i + 2], kind, num_labelled=mask.sum().item())[0]
+        for i in range(0, 6, 2)
+    )
     total.backward()
     assert total.item() == pytest.approx(prm.prm_loss(logits, labels, mask, kind)[0].item(), rel=1e-6)
     torch.testing.assert_close(parts.grad, whole.grad)
@@ -139,8 +141,9 @@ def test_choose_threshold_edge_cases():
     assert low < threshold <= high
 
 
-@pytest.mark.parametrize("how, expected", [("min", 0.2), ("prod", 0.9 * 0.2 * 0.5), ("last", 0.5),
-                                           ("mean", (0.9 + 0.2 + 0.5) / 3)])
+@pytest.mark.parametrize(
+    "how, expected", [("min", 0.2), ("prod", 0.9 * 0.2 * 0.5), ("last", 0.5), ("mean", (0.9 + 0.2 + 0.5) / 3)]
+)
 def test_aggregate_scores(how, expected):
     assert prm.aggregate_scores([0.9, 0.2, 0.5], how) == pytest.approx(expected)
     assert prm.aggregate_scores([], how) == 0.0  # no scored step: the score of a surely wrong one
@@ -158,6 +161,7 @@ def test_the_builtin_task_labels_steps_before_the_first_error_and_keeps_held_out
 
     def keys(rows):
         return {(r["prompt"], *r["completions"]) for r in rows}
+
     assert len(keys(train)) == len(train) and not keys(train) & (keys(val) | keys(held_out))
     assert len(val) == 20 and len(held_out) == 30 and not keys(val) & keys(held_out)
     assert prm.builtin_task(3, 50, 100)[0] == train  # the held-out pool never changes the training rows
@@ -172,10 +176,12 @@ def merging_bpe_tokenizer(with_bos: bool = True):
     corpus = ["The cat sat.\nThe dog ran.\nThe end.\n\nThe sum is 12.\nThe cat ate.\n"] * 200
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.decoder = decoders.Fuse()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "<unk>"],
-                                                        show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", unk_token="<unk>",
-                                   bos_token="<s>" if with_bos else None)
+    bpe.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "<unk>"], show_progress=False)
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="<pad>", unk_token="<unk>", bos_token="<s>" if with_bos else None
+    )
 
 
 @pytest.mark.parametrize("separator", ["\n", "\n\n"])
@@ -189,7 +195,7 @@ def test_step_boundaries_hold_with_a_bpe_whose_merges_cross_them(separator):
     ids, positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator=separator, max_length=500)
     assert ids[0] == tokenizer.bos_token_id and len(positions) == len(steps)
     for k, position in enumerate(positions):
-        assert tokenizer.decode(ids[:position + 1], skip_special_tokens=True) == joined[:ends[k]]
+        assert tokenizer.decode(ids[: position + 1], skip_special_tokens=True) == joined[: ends[k]]
         assert tokenizer.decode(ids[position]).endswith(separator[-1])  # the label token ends the separator
     texts = [prompt] + [step + separator for step in steps]
     pieces = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -201,9 +207,10 @@ def test_truncation_drops_whole_steps_with_a_bpe_without_bos():
     prompt, steps = "The sum.\n", ["The cat sat.", "The dog ran.", "The end."]
     full_ids, full_positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n", max_length=500)
     assert tokenizer.bos_token_id is None and full_ids[0] != tokenizer.pad_token_id
-    ids, positions = prm.build_prm_example(tokenizer, prompt, steps, step_separator="\n",
-                                           max_length=full_positions[1])  # one token short of step 1's end
-    assert positions == full_positions[:1] and ids == full_ids[:positions[0] + 1]
+    ids, positions = prm.build_prm_example(
+        tokenizer, prompt, steps, step_separator="\n", max_length=full_positions[1]
+    )  # one token short of step 1's end
+    assert positions == full_positions[:1] and ids == full_ids[: positions[0] + 1]
     assert tokenizer.decode(ids) == prompt + steps[0] + "\n"
     ids, positions = prm.build_prm_example(tokenizer, prompt * 50, steps, step_separator="\n", max_length=20)
     assert positions == [] and len(ids) == 20  # the prompt alone does not fit: no step kept
@@ -211,18 +218,19 @@ def test_truncation_drops_whole_steps_with_a_bpe_without_bos():
 
 def test_the_tiny_tokenizer_puts_one_label_on_each_separator():
     tokenizer = prm.build_tiny_tokenizer()
-    ids, positions = prm.build_prm_example(tokenizer, "start 3\n", ["3+1=4", "4-2=2"], step_separator="\n",
-                                           max_length=100)
+    ids, positions = prm.build_prm_example(
+        tokenizer, "start 3\n", ["3+1=4", "4-2=2"], step_separator="\n", max_length=100
+    )
     assert ids[0] == tokenizer.bos_token_id and len(ids) == 1 + 8 + 6 + 6
     assert positions == [14, 20] and all(tokenizer.decode([ids[p]]) == "\n" for p in positions)
-    assert prm.build_prm_example(tokenizer, "start 3\n", ["3+1=4", "4-2=2"], step_separator="\n",
-                                 max_length=19)[1] == [14]
+    assert prm.build_prm_example(tokenizer, "start 3\n", ["3+1=4", "4-2=2"], step_separator="\n", max_length=19)[1] == [
+        14
+    ]
 
 
 def test_a_step_that_is_no_token_at_all_is_an_error():
     with pytest.raises(ValueError, match="step 1 .* is no token at all"):
-        prm.build_prm_example(prm.build_tiny_tokenizer(), "start 3\n", ["3+1=4", ""], step_separator="",
-                              max_length=100)
+        prm.build_prm_example(prm.build_tiny_tokenizer(), "start 3\n", ["3+1=4", ""], step_separator="", max_length=100)
 
 
 def test_encode_rows_keeps_every_label_and_only_the_kept_steps_labels():
@@ -232,9 +240,11 @@ def test_encode_rows_keeps_every_label_and_only_the_kept_steps_labels():
 
 
 def test_collate_pads_right_or_packs_rows_end_to_end():
-    examples = [{"input_ids": [1, 5, 6, 7], "positions": [1, 3], "labels": [1.0, 0.0]},
-                {"input_ids": [1, 8], "positions": [1], "labels": None},
-                {"input_ids": [1, 9, 9], "positions": [2], "labels": [0.5]}]
+    examples = [
+        {"input_ids": [1, 5, 6, 7], "positions": [1, 3], "labels": [1.0, 0.0]},
+        {"input_ids": [1, 8], "positions": [1], "labels": None},
+        {"input_ids": [1, 9, 9], "positions": [2], "labels": [0.5]},
+    ]
     batch = prm.collate(examples, 0, "cpu")
     assert batch["input_ids"].tolist() == [[1, 5, 6, 7], [1, 8, 0, 0], [1, 9, 9, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 0, 0], [0, 1, 2, 0]]
@@ -289,8 +299,9 @@ def test_score_steps_keeps_to_the_prms_separator_and_max_length(tiny_prm):
     (scores,) = prm.score_steps(tiny_prm, ["start 3\n"], [long_solution])
     assert len(scores) == (1024 - 9) // 6 and all(0 < s < 1 for s in scores)
     with torch.no_grad():
-        ids, positions = prm.build_prm_example(tiny_prm.tokenizer, "start 3\n", ["3+1=4"], step_separator="\n",
-                                               max_length=1024)
+        ids, positions = prm.build_prm_example(
+            tiny_prm.tokenizer, "start 3\n", ["3+1=4"], step_separator="\n", max_length=1024
+        )
         logit = tiny_prm(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([positions]))
     assert prm.score_steps(tiny_prm, ["start 3\n"], [["3+1=4"]])[0][0] == pytest.approx(torch.sigmoid(logit).item())
 

@@ -44,8 +44,9 @@ def write_rows(path: Path, rows: list) -> Path:
 
 def weights(directory: Path) -> dict:
     """Every trained weight a PRM directory holds: backbone or adapter, and head."""
-    names = ["reward_head.safetensors"] + [n for n in ("model.safetensors", "adapter_model.safetensors")
-                                           if (directory / n).exists()]
+    names = ["reward_head.safetensors"] + [
+        n for n in ("model.safetensors", "adapter_model.safetensors") if (directory / n).exists()
+    ]
     return {f"{name}:{key}": value for name in names for key, value in load_file(directory / name).items()}
 
 
@@ -54,8 +55,16 @@ def without_times(rows: list[dict]) -> list[dict]:
 
 
 def torchrun(script: str, *flags: str, processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               script, *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        script,
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     process = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
@@ -89,11 +98,21 @@ def test_a_run_logs_evaluates_and_saves(trained):
     for key in ("eval_step_accuracy", "eval_auroc", "eval_first_error_f1"):
         assert rows[0][key] == summary[f"{key}_start"] and rows[-1][key] == summary[f"{key}_end"]
     assert [row["learning_rate"] for row in rows[1:4]] == pytest.approx([5e-4, 1e-3, 1e-3])  # warm-up of 2 steps
-    assert sorted(p.name for p in trained.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3",
-                                                                                             "checkpoint-6"]
+    assert sorted(p.name for p in trained.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-3",
+        "checkpoint-6",
+    ]
     config = json.loads((trained / "final" / "prm_config.json").read_text())
-    assert config == {**config, "base_model": "tiny", "lora": False, "step_separator": "\n", "max_length": 1024,
-                      "loss_kind": "bce", "dtype": "float32", "step": 6}
+    assert config == {
+        **config,
+        "base_model": "tiny",
+        "lora": False,
+        "step_separator": "\n",
+        "max_length": 1024,
+        "loss_kind": "bce",
+        "dtype": "float32",
+        "step": 6,
+    }
     final, checkpoint = weights(trained / "final"), weights(trained / "checkpoint-6")  # the same step
     assert final.keys() == checkpoint.keys() and all(torch.equal(final[k], checkpoint[k]) for k in final)
 
@@ -139,8 +158,19 @@ def test_resume_from_latest_continues_exactly(trained, tmp_path):
     shutil.copytree(trained, copy)
     shutil.rmtree(copy / "checkpoint-6")  # latest is now checkpoint-3
     shutil.rmtree(copy / "final")
-    run_prm("--output-dir", copy, "--total-steps", "6", "--eval-every", "3", "--save-every", "3", *QUICK,
-            "--resume-from", "latest")
+    run_prm(
+        "--output-dir",
+        copy,
+        "--total-steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--save-every",
+        "3",
+        *QUICK,
+        "--resume-from",
+        "latest",
+    )
     assert without_times(read_jsonl(copy / "metrics.jsonl")) == without_times(read_jsonl(trained / "metrics.jsonl"))
     resumed, uninterrupted = weights(copy / "final"), weights(trained / "final")
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
@@ -157,21 +187,54 @@ def test_sigterm_saves_a_checkpoint_first_and_the_run_resumes_from_it(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=terminate_once_training, daemon=True).start()
-    process = run_prm("--output-dir", out, "--total-steps", "100000", "--batch-size", "8", "--num-eval-rows", "0",
-                      expect_rc=128 + signal.SIGTERM)
+    process = run_prm(
+        "--output-dir",
+        out,
+        "--total-steps",
+        "100000",
+        "--batch-size",
+        "8",
+        "--num-eval-rows",
+        "0",
+        expect_rc=128 + signal.SIGTERM,
+    )
     assert signal.getsignal(signal.SIGTERM) is original and "--resume-from latest" in process.stdout
     (checkpoint,) = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
     step = int(checkpoint.name.split("-")[1])
     assert step >= 1 and not (out / "final").exists()
-    run_prm("--output-dir", out, "--total-steps", step + 1, "--batch-size", "8", "--num-eval-rows", "0",
-            "--resume-from", "latest")
+    run_prm(
+        "--output-dir",
+        out,
+        "--total-steps",
+        step + 1,
+        "--batch-size",
+        "8",
+        "--num-eval-rows",
+        "0",
+        "--resume-from",
+        "latest",
+    )
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == list(range(1, step + 2))
 
 
 def test_lora_saves_an_adapter_and_its_tiny_base_that_reload(tmp_path):
     out = tmp_path / "run"
-    run_prm("--output-dir", out, "--total-steps", "4", "--eval-every", "0", *QUICK, "--lora-r", "4",
-            "--lora-target-modules", "q_proj,v_proj", "--lr-schedule", "cosine", "--track")
+    run_prm(
+        "--output-dir",
+        out,
+        "--total-steps",
+        "4",
+        "--eval-every",
+        "0",
+        *QUICK,
+        "--lora-r",
+        "4",
+        "--lora-target-modules",
+        "q_proj,v_proj",
+        "--lr-schedule",
+        "cosine",
+        "--track",
+    )
     final = out / "final"
     assert (final / "adapter_model.safetensors").exists() and (final / "base" / "model.safetensors").exists()
     assert not (final / "model.safetensors").exists()
@@ -195,8 +258,22 @@ def test_a_saved_prm_is_a_model_to_start_from_through_the_hub_loaders(trained, t
 def test_soft_labels_are_learned_as_given(kind, tmp_path):
     rows = [{**row, "labels": [0.3] * len(row["labels"])} for row in prm.builtin_task(5, 0, 0, 200)[0]]
     out = tmp_path / "run"
-    run_prm("--data-path", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", out, "--loss-kind", kind,
-            "--total-steps", "40", "--batch-size", "8", "--warmup-steps", "0", "--learning-rate", "3e-3")
+    run_prm(
+        "--data-path",
+        write_rows(tmp_path / "rows.jsonl", rows),
+        "--output-dir",
+        out,
+        "--loss-kind",
+        kind,
+        "--total-steps",
+        "40",
+        "--batch-size",
+        "8",
+        "--warmup-steps",
+        "0",
+        "--learning-rate",
+        "3e-3",
+    )
     model = prm.load_prm(str(out / "final"), device="cpu")
     scored = prm.score_steps(model, [r["prompt"] for r in rows[:20]], [r["completions"] for r in rows[:20]])
     scores = [s for row in scored for s in row]
@@ -205,10 +282,23 @@ def test_soft_labels_are_learned_as_given(kind, tmp_path):
 
 def test_padded_micro_batches_and_gradient_checkpointing_give_the_packed_update(one_process, tmp_path):
     out = tmp_path / "run"
-    run_prm("--output-dir", out, "--total-steps", "3", "--batch-size", "8", "--num-eval-rows", "0",
-            "--micro-batch-size", "3", "--gradient-checkpointing", "--no-pack-rows")
+    run_prm(
+        "--output-dir",
+        out,
+        "--total-steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--num-eval-rows",
+        "0",
+        "--micro-batch-size",
+        "3",
+        "--gradient-checkpointing",
+        "--no-pack-rows",
+    )
     assert [row["loss"] for row in read_jsonl(out / "metrics.jsonl")] == pytest.approx(
-        [row["loss"] for row in read_jsonl(one_process / "metrics.jsonl")], rel=1e-5)
+        [row["loss"] for row in read_jsonl(one_process / "metrics.jsonl")], rel=1e-5
+    )
     accumulated, whole = weights(out / "final"), weights(one_process / "final")
     for name in whole:
         torch.testing.assert_close(accumulated[name], whole[name], rtol=1e-5, atol=1e-6)
@@ -220,7 +310,8 @@ def test_two_processes_give_the_update_of_one(script, flags, one_process, tmp_pa
     args = [*flags, "--output-dir", str(out), "--total-steps", "3", "--batch-size", "8", "--num-eval-rows", "0"]
     torchrun(script, *(args + (["--save-every", "3"] if flags else [])))
     assert [row["loss"] for row in read_jsonl(out / "metrics.jsonl")] == pytest.approx(
-        [row["loss"] for row in read_jsonl(one_process / "metrics.jsonl")], rel=1e-5)
+        [row["loss"] for row in read_jsonl(one_process / "metrics.jsonl")], rel=1e-5
+    )
     two, one = weights(out / "final"), weights(one_process / "final")
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
@@ -235,31 +326,47 @@ def bad_rows(tmp_path: Path, *lines: str) -> list[str]:
 
 GOOD = '{"prompt": "start 3\\n", "completions": ["3+1=4"], "labels": [true]}'
 BAD_INPUTS = {
-    "data file missing": (lambda tmp, run: ["--data-path", str(tmp / "nope.jsonl")], r"data file .*nope.jsonl does "
-                          "not exist"),
+    "data file missing": (
+        lambda tmp, run: ["--data-path", str(tmp / "nope.jsonl")],
+        r"data file .*nope.jsonl does "
+        "not exist",
+    ),
     "not JSON": (lambda tmp, run: bad_rows(tmp, GOOD, '{"prompt": '), r"rows.jsonl:2: not JSON"),
-    "field missing": (lambda tmp, run: bad_rows(tmp, '{"prompt": "a", "completions": ["b"]}'),
-                      r'rows.jsonl:1: needs a field "labels"'),
-    "wrong type": (lambda tmp, run: bad_rows(tmp, '{"prompt": 3, "completions": ["b"], "labels": [1]}'),
-                   r'rows.jsonl:1: needs a field "prompt" \(str\)'),
-    "steps not strings": (lambda tmp, run: bad_rows(tmp, '{"prompt": "a", "completions": [1], "labels": [1]}'),
-                          r'needs a field "completions" \(list of str\)'),
-    "lengths differ": (lambda tmp, run: bad_rows(tmp, '{"prompt": "a", "completions": ["b"], "labels": [1, 0]}'),
-                       r"rows.jsonl:1: 2 labels for 1 steps"),
+    "field missing": (
+        lambda tmp, run: bad_rows(tmp, '{"prompt": "a", "completions": ["b"]}'),
+        r'rows.jsonl:1: needs a field "labels"',
+    ),
+    "wrong type": (
+        lambda tmp, run: bad_rows(tmp, '{"prompt": 3, "completions": ["b"], "labels": [1]}'),
+        r'rows.jsonl:1: needs a field "prompt" \(str\)',
+    ),
+    "steps not strings": (
+        lambda tmp, run: bad_rows(tmp, '{"prompt": "a", "completions": [1], "labels": [1]}'),
+        r'needs a field "completions" \(list of str\)',
+    ),
+    "lengths differ": (
+        lambda tmp, run: bad_rows(tmp, '{"prompt": "a", "completions": ["b"], "labels": [1, 0]}'),
+        r"rows.jsonl:1: 2 labels for 1 steps",
+    ),
     "label above 1": (lambda tmp, run: bad_rows(tmp, GOOD, GOOD.replace("true", "1.5")), r"rows.jsonl:2: label 1.5"),
     "label NaN": (lambda tmp, run: bad_rows(tmp, GOOD.replace("true", "NaN")), r"rows.jsonl:1: label nan"),
     "empty data set": (lambda tmp, run: bad_rows(tmp, ""), r"rows.jsonl holds no rows"),
     "every row truncated": (lambda tmp, run: ["--max-length", "5"], r"every training row was truncated away"),
     "model path missing": (lambda tmp, run: ["--model", str(tmp / "nowhere")], r"--model .*nowhere does not exist"),
     "output dir holds a run": (lambda tmp, run: ["--output-dir", str(run)], r"already holds a run"),
-    "resume flags differ": (lambda tmp, run: ["--resume-from", str(run / "checkpoint-3"), "--num-val-rows", "20",
-                                              "--batch-size", "16"],
-                            r"the checkpoint's run differs \(--batch-size 8 there, 16 here\)"),
-    "resume without checkpoint": (lambda tmp, run: ["--output-dir", str(tmp), "--resume-from", "latest"],
-                                  r"no checkpoint"),
+    "resume flags differ": (
+        lambda tmp, run: ["--resume-from", str(run / "checkpoint-3"), "--num-val-rows", "20", "--batch-size", "16"],
+        r"the checkpoint's run differs \(--batch-size 8 there, 16 here\)",
+    ),
+    "resume without checkpoint": (
+        lambda tmp, run: ["--output-dir", str(tmp), "--resume-from", "latest"],
+        r"no checkpoint",
+    ),
     "batch size 0": (lambda tmp, run: ["--batch-size", "0"], r"--batch-size.* must be > 0"),
-    "micro-batch above the batch": (lambda tmp, run: ["--batch-size", "4", "--micro-batch-size", "5"],
-                                    r"--micro-batch-size"),
+    "micro-batch above the batch": (
+        lambda tmp, run: ["--batch-size", "4", "--micro-batch-size", "5"],
+        r"--micro-batch-size",
+    ),
     "negative learning rate": (lambda tmp, run: ["--learning-rate", "-1"], r"--learning-rate .*must be > 0"),
     "fsdp without torchrun": (lambda tmp, run: ["--fsdp"], r"--fsdp .*needs a launch by torchrun"),
     "scoring without rows": (lambda tmp, run: ["--prm-path", str(run / "final")], r"--prm-path scores the rows"),
