@@ -14,7 +14,7 @@ Where this file departs from the paper:
    run draws the same random numbers as one uninterrupted process.
 
 Run it:
-    python grpo.py                                    # tiny model, built-in task, CPU, about a minute
+    python grpo.py                                    # tiny model, built-in task, CPU, under a minute
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl --lora-r 16 --kl-coef 0.05 \\
         --max-new-tokens 256 --learning-rate 1e-5 --output-dir runs/qwen-gsm8k --save-every 50
     python grpo.py ... --output-dir runs/qwen-gsm8k --resume-from latest    # after a stop or a crash
@@ -23,7 +23,6 @@ Run it:
 """
 
 import functools
-import itertools
 import json
 import math
 import os
@@ -36,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -49,9 +48,11 @@ from common import RunLogger, print0, seed_everything
 
 @dataclass
 class Args:
+    # Experiment
     seed: int = 1  # seed of the experiment: model init, prompt order and sampling all follow from it
     output_dir: str | None = None  # metrics, checkpoints and final/ go here; None = runs/grpo__{seed}__{unix time}
     track: bool = False  # log to Weights & Biases, project grpo (WANDB_MODE=offline works)
+    # Model and data
     model: str = "tiny"  # `tiny` (a small random-init Llama built here) or a hub id / local path of a causal LM
     data_path: str | None = None  # JSONL prompts, one {"prompt": str, "answer": str} a line; None = built-in task
     eval_data_path: str | None = None  # JSONL held-out prompts; None = the built-in task's held-out ones, or none
@@ -61,6 +62,7 @@ class Args:
     lora_r: int = 0  # LoRA rank; 0 = full fine-tuning
     lora_alpha: int = 32  # LoRA scaling numerator (the update is scaled by alpha / r)
     lora_target_modules: str = "all-linear"  # comma-separated module names to adapt (q_proj,v_proj), or all-linear
+    # Rollout
     total_steps: int = 400  # training steps, one rollout batch each
     prompts_per_step: int = 8  # prompts per step, over all processes
     group_size: int = 16  # completions sampled per prompt (the group its rewards are standardised in)
@@ -68,11 +70,12 @@ class Args:
     temperature: float = 1.0  # sampling temperature (the training log-probs use the same)
     top_p: float = 1.0  # nucleus sampling threshold; 1.0 = off
     top_k: int = 0  # sample among the k most likely tokens; 0 = off
-    mask_truncated_completions: bool = False  # leave completions cut at --max-new-tokens out of the loss (DAPO)
+    # Rewards
     answer_reward_weight: float = 1.0  # weight of the answer reward (1 when the final answer equals the reference)
     format_reward_weight: float = 0.1  # weight of the format reward (1 when the answer is stated cleanly)
     prm_path: str | None = None  # a PRM saved by prm.py: its aggregated step scores are added to the reward
     prm_aggregate: Literal["min", "prod", "last", "mean"] = "min"  # how step scores make one PRM reward
+    # Loss
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # how token losses are aggregated (see grpo_loss)
     scale_rewards: Literal["group", "batch", "none"] = "batch"  # divide advantages by the group's or batch's std
     kl_coef: float = 0.02  # weight of the KL penalty to the reference policy; 0 = no reference model
@@ -82,12 +85,15 @@ class Args:
     clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO uses 0.28)
     delta: float | None = None  # upper bound on the unclipped ratio (INTELLECT-2's two-sided clipping); None = off
     importance_sampling: Literal["token", "sequence"] = "token"  # a ratio per token, or per completion (GSPO)
+    mask_truncated_completions: bool = False  # leave completions cut at --max-new-tokens out of the loss (DAPO)
+    # Optimisation
     learning_rate: float = 3e-4  # AdamW learning rate (about 1e-6 for full fine-tuning of real models, 1e-5 for LoRA)
     num_iterations: int = 1  # passes over each rollout batch (PPO's epochs), ratios against the rollout policy
     num_minibatches: int = 1  # optimiser updates per pass, each on an equal share of the batch's groups
     micro_batch_size: int = 0  # completions per forward/backward pass (gradient accumulation); 0 = a whole minibatch
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     max_bad_steps: int = 3  # stop after this many updates in a row with a non-finite loss (each one is skipped)
+    # Evaluation, checkpoints, system
     eval_every: int = 50  # greedy held-out accuracy every this many steps (0 = at the start and the end only)
     save_every: int = 0  # write checkpoint-STEP/ every this many steps (0 = only when stopped by a signal)
     resume_from: str | None = None  # a checkpoint-STEP directory, or `latest` in --output-dir, to continue from
@@ -98,22 +104,41 @@ class Args:
 
 # ---- Kernels: tensors in, tensors out. The tests import these.
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
-    """A_i = (r_i - mean(group)) / (std + eps) for rewards [B] laid out group after group, with Bessel's std (as TRL and
-    verl) of the group, the batch, or none (Dr. GRPO). Equal rewards get exactly 0: they tell nothing apart."""
+    """A_i = (r_i - mean of r_i's group) / (std + eps), for rewards [B] laid out group after group.
+
+    scale: the std of each group ("group"), of the whole batch ("batch"), or none at all (Dr. GRPO); Bessel's std, as
+    TRL and verl. A group whose rewards are all equal gets exactly 0: it tells its completions nothing apart.
+    """
     grouped = rewards.double().view(-1, group_size)  # [groups, G]; float64: squares of large rewards overflow fp32
-    centred = grouped - grouped.mean(1, keepdim=True)
-    if scale != "none":
-        centred = centred / ({"group": grouped.std(1, keepdim=True), "batch": grouped.std()}[scale] + eps)
+    advantages = grouped - grouped.mean(1, keepdim=True)
+    if scale == "group":
+        advantages = advantages / (grouped.std(1, keepdim=True) + eps)
+    elif scale == "batch":
+        advantages = advantages / (grouped.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
     # the float mean of equal values can differ from them in the last bit, which /(std + eps) would blow up
     equal = grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)
-    return torch.where(equal, 0.0, centred).view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float)
+    advantages = torch.where(equal, 0.0, advantages).view(-1)
+    if rewards.is_floating_point():
+        return advantages.to(rewards.dtype)
+    return advantages.float()
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) from tokens of pi, x = ref_logp - logp (http://joschu.net/blog/kl-approx.html):
-    k1 = -x, k2 = x^2/2, k3 = e^x - x - 1; as losses, k3's gradient is KL(pi_ref || pi)'s, k2's KL(pi || pi_ref)'s."""
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (http://joschu.net/blog/kl-approx.html).
+
+    With x = ref_logp - logp: k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1. As losses, k3's gradient is that of
+    KL(pi_ref || pi), k2's that of KL(pi || pi_ref).
+    """
     x = ref_logp - logp
-    return {"k1": -x, "k2": 0.5 * x**2, "k3": torch.expm1(x) - x}[estimator]  # expm1: exact near 0
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * x**2
+    if estimator == "k3":
+        return torch.expm1(x) - x  # expm1: exact near 0
+    raise ValueError(f"estimator must be k1, k2 or k3, got {estimator!r}")
 
 
 def grpo_loss(
@@ -135,52 +160,78 @@ def grpo_loss(
     total_sequences: int | None = None,
     total_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Clipped GRPO surrogate plus a KL penalty. logp, old_logp, ref_logp, mask [B, T] (1 on completion tokens, EOS
-    included); advantages [B]. Per token l = -min(min(r, delta) A, clip(r, 1-eps_low, 1+eps_high) A) + kl_coef KL,
-    r = exp(logp - old_logp) (GSPO: exp(mean_t log r) for a whole row), KL times r with kl_ratio_weighted.
-    With N sequences and M tokens in the whole batch: grpo (1/N) sum_i [sum_t l m / sum_t m]; bnpo, dapo
-    sum l m / M; dr_grpo sum l m / (N max_completion_length). Given the batch's N and M (total_sequences,
-    total_tokens), a part's losses (a micro-batch, a process's share) sum to the batch's. stats: token means over this
-    part of ratio, clip fractions (low: A<0, r < 1-eps_low; high: A>0, r > 1+eps_high or A<0, r > delta), pg_loss, KL.
+    """PPO's clipped surrogate plus a KL penalty, per completion token, aggregated over the batch by loss_type.
+
+    logp, old_logp, ref_logp, mask: [B, T], mask 1 on completion tokens (EOS included); advantages: [B].
+    Per token, with r = exp(logp - old_logp):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + kl_coef KL.
+    importance_sampling "sequence" (GSPO) gives every token of a row one r = exp(mean over the row of log r); delta
+    caps the unclipped r (INTELLECT-2); kl_ratio_weighted multiplies KL by the token's r.
+    With N sequences and M tokens in the batch (total_sequences and total_tokens, when this call sees a part of it):
+        grpo: (1/N) sum_i (sum_t l m / sum_t m)   bnpo, dapo: sum l m / M   dr_grpo: sum l m / (N max_completion_length)
+    so the losses of the parts (micro-batches, processes) sum to the batch's. Returns (loss, stats): token means over
+    this part of the ratio, the clip fractions, pg_loss and the KL, and the part's token count.
     """
     dtype = torch.promote_types(logp.dtype, torch.float32)  # a bf16 mask would count 501 tokens as 500
-    logp, old_logp, advantages, mask = logp.to(dtype), old_logp.to(dtype), advantages.to(dtype), mask.to(dtype)
-    num_sequences = total_sequences if total_sequences is not None else logp.shape[0]
-    num_tokens = total_tokens if total_tokens is not None else mask.sum().item()
-    adv, in_loss = advantages.unsqueeze(1), mask.bool()  # [B, 1], [B, T]
+    logp = logp.to(dtype)
+    old_logp = old_logp.to(dtype)
+    mask = mask.to(dtype)
+    in_loss = mask.bool()
+    adv = advantages.to(dtype).unsqueeze(1)  # [B, 1]
+
+    # the importance ratio r = pi / pi_old, per token or one per sequence
     log_ratio = torch.where(in_loss, logp - old_logp, 0.0)  # padding may hold anything: exp(inf) * 0 would be NaN
-    token_ratio = log_ratio.exp()
-    sequence_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)).exp().expand_as(logp)
-    ratio = {"token": token_ratio, "sequence": sequence_ratio}[importance_sampling]
-    unclipped = ratio if delta is None else ratio.clamp(max=delta)
-    pg_loss = -torch.min(unclipped * adv, ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv)  # [B, T]
-    token_loss, kl = pg_loss, None
+    if importance_sampling == "token":
+        ratio = log_ratio.exp()  # [B, T]
+    elif importance_sampling == "sequence":
+        mean_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)  # [B, 1]
+        ratio = mean_log_ratio.exp().expand_as(logp)  # [B, T]
+    else:
+        raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
+
+    # the pessimistic surrogate: the smaller of the unclipped and the clipped objective, whatever the sign of A
+    unclipped = ratio
+    if delta is not None:
+        unclipped = ratio.clamp(max=delta)
+    clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    pg_loss = -torch.min(unclipped * adv, clipped * adv)  # [B, T]
+
+    # the KL penalty to the reference policy
+    token_loss = pg_loss
+    kl = None
     if kl_coef != 0.0:
         kl = kl_penalty(torch.where(in_loss, logp, 0.0), torch.where(in_loss, ref_logp.to(dtype), 0.0), kl_estimator)
-        kl = token_ratio * kl if kl_ratio_weighted else kl  # tokens come from pi_old: pi / pi_old weighs them to pi
-        token_loss = pg_loss + kl_coef * kl
-    per_row = (token_loss * mask).sum(1)  # [B]
-    if loss_type == "grpo":
-        loss = (per_row / mask.sum(1).clamp(min=1.0)).sum() / num_sequences
-    elif loss_type == "dr_grpo":
-        loss = per_row.sum() / (num_sequences * max_completion_length)
-    elif loss_type in ("bnpo", "dapo"):
-        loss = per_row.sum() / max(num_tokens, 1.0)
+        if kl_ratio_weighted:  # the tokens come from pi_old: r = pi / pi_old weighs them to pi
+            kl = log_ratio.exp() * kl
+        token_loss = pg_loss + kl_coef * kl  # [B, T]
+
+    # the aggregation over the whole batch
+    if total_sequences is None:
+        total_sequences = logp.shape[0]
+    if total_tokens is None:
+        total_tokens = mask.sum().item()
+    row_sums = (token_loss * mask).sum(1)  # [B]
+    if loss_type == "grpo":  # each completion's token mean, then the mean over completions (the paper)
+        loss = (row_sums / mask.sum(1).clamp(min=1.0)).sum() / total_sequences
+    elif loss_type in ("bnpo", "dapo"):  # every token weighs the same: a long completion weighs by its length
+        loss = row_sums.sum() / max(total_tokens, 1.0)
+    elif loss_type == "dr_grpo":  # a constant normaliser: no length bias (Dr. GRPO)
+        loss = row_sums.sum() / (total_sequences * max_completion_length)
     else:
         raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
+
     with torch.no_grad():
-        tokens = mask.sum()
-        high = ((adv > 0) & (ratio > 1.0 + clip_eps_high)) | ((adv < 0) & (ratio > (delta or math.inf)))
-        per_token = {
-            "ratio_mean": ratio,
-            "clip_frac_low": ((adv < 0) & (ratio < 1.0 - clip_eps_low)).to(dtype),
-            "clip_frac_high": high.to(dtype),
-            "pg_loss": pg_loss,
-        }
+        # a clip fraction counts only the tokens whose gradient the clip stops
+        clip_low = (adv < 0) & (ratio < 1.0 - clip_eps_low)
+        clip_high = (adv > 0) & (ratio > 1.0 + clip_eps_high)
+        if delta is not None:
+            clip_high = clip_high | ((adv < 0) & (ratio > delta))
+        per_token = {"ratio_mean": ratio, "clip_frac_low": clip_low, "clip_frac_high": clip_high, "pg_loss": pg_loss}
         if kl is not None:
             per_token["kl_mean"] = kl
+        tokens = mask.sum()
         stats = {name: (value * mask).sum() / tokens.clamp(min=1.0) for name, value in per_token.items()}
-    return loss, {**stats, "tokens": tokens}
+        stats["tokens"] = tokens
+    return loss, stats
 
 
 def token_logprobs(
@@ -191,17 +242,25 @@ def token_logprobs(
     rows_per_chunk: int = 16,
     vocab_size: int | None = None,
 ):
-    """log softmax(logits / T)[target] in fp32 of logits [B, T, V], a few rows at a time (without gradients only a
-    chunk is in fp32), over the first vocab_size ids (those the sampler draws): logp [B, T], entropy [B, T] or None."""
-    logps, entropies = [], []
+    """log softmax(logits / T) at the targets, in fp32: logp [B, T], and the entropy [B, T] or None.
+
+    logits [B, T, V] go a few rows at a time (without gradients, only a chunk is ever in fp32), over the first
+    vocab_size ids (those the sampler draws).
+    """
+    logps = []
+    entropies = []
     for start in range(0, logits.shape[0], rows_per_chunk):
         chunk = logits[start : start + rows_per_chunk, :, :vocab_size].float()
-        chunk = torch.log_softmax(chunk / temperature if temperature != 1.0 else chunk, dim=-1)
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        chunk = torch.log_softmax(chunk, dim=-1)
         logps.append(chunk.gather(-1, targets[start : start + rows_per_chunk].unsqueeze(-1)).squeeze(-1))
         if with_entropy:
             with torch.no_grad():
                 entropies.append(torch.special.entr(chunk.exp()).sum(-1))  # entr(0) = 0, where p log p is NaN
-    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+    if not with_entropy:
+        return torch.cat(logps), None
+    return torch.cat(logps), torch.cat(entropies)
 
 
 # ---- Task, data and rewards
@@ -223,7 +282,8 @@ def builtin_task(seed: int) -> tuple[list[dict], list[dict]]:
 def load_jsonl(path: str) -> list[dict]:
     """Rows {"prompt": str, "answer": str or number}; a row that is not one is an error naming its line."""
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read data file {path}: {getattr(error, 'strerror', None) or error}") from None
     rows = []
@@ -234,13 +294,11 @@ def load_jsonl(path: str) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise UserError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not (
-            isinstance(row, dict)
-            and isinstance(row.get("prompt"), str)
-            and isinstance(row.get("answer"), (str, int, float))
-        ):
-            hint = ' (it has "question": rename it to "prompt")' if isinstance(row, dict) and "question" in row else ""
-            raise UserError(f'{path}:{number}: a row needs a string "prompt" and a string or number "answer"{hint}')
+        if isinstance(row, dict) and "question" in row and "prompt" not in row:
+            raise UserError(f'{path}:{number}: the row has "question": rename it to "prompt"')
+        prompt_ok = isinstance(row, dict) and isinstance(row.get("prompt"), str)
+        if not prompt_ok or not isinstance(row.get("answer"), str | int | float):
+            raise UserError(f'{path}:{number}: a row needs a string "prompt" and a string or number "answer"')
         rows.append({"prompt": row["prompt"], "answer": str(row["answer"]), "where": f"{path}:{number}"})
     if not rows:
         raise UserError(f"{path} holds no rows")
@@ -363,14 +421,16 @@ def make_reward_fns(args: Args, device) -> list[tuple]:
         import prm  # prm.py, beside this file
 
         scorer = prm.load_prm(args.prm_path, device=device)
+        separator = scorer.config["step_separator"]
 
         def prm_reward(prompts: list[str], completions: list[str]) -> list[float]:
-            steps = [[s for s in text.split(scorer.config["step_separator"]) if s.strip()] for text in completions]
-            # steps past the PRM's max length get no score and count as 0: else the policy could write on unjudged
-            return [
-                prm.aggregate_scores([*scores, *[0.0] * (len(row) - len(scores))], args.prm_aggregate)
-                for scores, row in zip(prm.score_steps(scorer, prompts, steps), steps)
-            ]
+            solutions = [[step for step in text.split(separator) if step.strip()] for text in completions]
+            rewards = []
+            for scores, steps in zip(prm.score_steps(scorer, prompts, solutions), solutions):
+                # steps past the PRM's max length get no score and count as 0: else the policy could write on unjudged
+                unjudged = [0.0] * (len(steps) - len(scores))
+                rewards.append(prm.aggregate_scores(scores + unjudged, args.prm_aggregate))
+            return rewards
 
         fns.append(("prm", prm_reward, 1.0))
     return fns
@@ -399,20 +459,19 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
             unk_token="<unk>",
             model_max_length=1024,
         )
-        model = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=512,
-                max_position_embeddings=256,
-                tie_word_embeddings=True,
-                pad_token_id=0,
-                bos_token_id=1,
-                eos_token_id=2,
-            )
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=512,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
         )
+        model = LlamaForCausalLM(config)
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
@@ -426,60 +485,72 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 
 def build_policy(args: Args, dtype: torch.dtype, resume_path: str | None, device: torch.device):
-    """(policy, tokenizer, reference, stop ids) on the device; the reference, a frozen copy of the policy, is None for
-    LoRA (the adapter disabled is the initial policy) and at --kl-coef 0."""
+    """(policy, tokenizer, reference, stop ids) on the device. The reference, a frozen copy of the initial policy for
+    the KL, is None at --kl-coef 0 and with LoRA, whose initial policy is the model with its adapter disabled."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # its bars for loading and saving weights would break into the log's lines
     # trained weights stay fp32 (bf16 would round small updates away) and compute under autocast; LoRA's base in dtype
-    weights = dtype if args.lora_r and not args.fsdp else torch.float32
-    model, tokenizer = load_model(resume_path if resume_path and not args.lora_r else args.model, weights, args.seed)
-    targets = args.lora_target_modules
+    weights_dtype = torch.float32
+    if args.lora_r and not args.fsdp:
+        weights_dtype = dtype
     if args.lora_r:
-        model = (
-            PeftModel.from_pretrained(model, resume_path, is_trainable=True)
-            if resume_path
-            else get_peft_model(
-                model,
-                LoraConfig(
-                    r=args.lora_r,
-                    lora_alpha=args.lora_alpha,
-                    task_type="CAUSAL_LM",
-                    lora_dropout=0.0,
-                    target_modules=targets if targets == "all-linear" else targets.split(","),
-                ),
+        model, tokenizer = load_model(args.model, weights_dtype, args.seed)
+        if resume_path:
+            model = PeftModel.from_pretrained(model, resume_path, is_trainable=True)
+        else:
+            targets = args.lora_target_modules
+            if targets != "all-linear":
+                targets = targets.split(",")
+            config = LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
             )
-        )
-    reference = load_model(args.model, weights, args.seed)[0].eval() if args.kl_coef and not args.lora_r else None
-    for module in [m for m in (model, reference) if m is not None]:
+            model = get_peft_model(model, config)
+    else:
+        model, tokenizer = load_model(resume_path or args.model, weights_dtype, args.seed)
+    reference = None
+    if args.kl_coef and not args.lora_r:
+        reference = load_model(args.model, weights_dtype, args.seed)[0].eval()
+    for module in (model, reference):
+        if module is None:
+            continue
         if args.fsdp:
             shard_model(module, device, dtype)
         else:
             module.to(device)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    stop_ids = {tokenizer.eos_token_id}
     configured = model.generation_config.eos_token_id  # chat models end a turn with any of several
-    stop_ids = {tokenizer.eos_token_id, *([configured] if isinstance(configured, int) else configured or [])}
+    if isinstance(configured, int):
+        stop_ids.add(configured)
+    elif configured:
+        stop_ids.update(configured)
     return model.train(), tokenizer, reference, sorted(stop_ids)
 
 
 def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None:
     """FSDP2: each transformer block's fp32 weights are gathered for its forward and freed after; gradients summed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     blocks = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
-    for module in [m for m in model.modules() if type(m).__name__ in blocks] + [model]:
+    units = [module for module in model.modules() if type(module).__name__ in blocks] + [model]
+    for module in units:
         fully_shard(module, mesh=mesh, mp_policy=policy)
-    for module in [m for m in model.modules() if isinstance(m, FSDPModule)]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-scaled one
 
@@ -487,34 +558,33 @@ def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None
 def encode_prompts(tokenizer, rows: list[dict], args: Args) -> list[list[int]]:
     """Token ids of each row's prompt, in the chat template (after the system message) when the tokenizer has one."""
     if args.chat_template and tokenizer.chat_template:
-        system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
-        encoded = [
-            tokenizer.apply_chat_template(
-                system + [{"role": "user", "content": row["prompt"]}],
-                tokenize=True,
-                add_generation_prompt=True,
-                return_dict=False,
-            )
-            for row in rows
-        ]
+        system = []
+        if args.system_prompt is not None:
+            system = [{"role": "system", "content": args.system_prompt}]
+        encoded = []
+        for row in rows:
+            messages = system + [{"role": "user", "content": row["prompt"]}]
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+            encoded.append(ids)
     elif args.system_prompt is not None:
         raise UserError("--system-prompt needs a chat template, and this tokenizer has none (or it is off)")
     else:
-        encoded = tokenizer([row["prompt"] for row in rows])["input_ids"] if rows else []
+        encoded = [tokenizer(row["prompt"])["input_ids"] for row in rows]
     for row, ids in zip(rows, encoded):
         if len(ids) > args.max_prompt_length:
+            where = row.get("where", "a built-in prompt")
             raise UserError(
-                f"{row.get('where', 'a built-in prompt')}: the prompt is {len(ids)} tokens, longer than "
-                f"--max-prompt-length {args.max_prompt_length}"
+                f"{where}: the prompt is {len(ids)} tokens, longer than --max-prompt-length {args.max_prompt_length}"
             )
     return encoded
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, P] ids and attention mask, left-padded so that every prompt ends in the last column."""
-    width = max(map(len, sequences))
+    width = max(len(s) for s in sequences)
     ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], device=device)
-    return ids, torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+    return ids, mask
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -533,53 +603,60 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 @torch.no_grad()
 def generate(
     model,
-    prompt_ids,
-    prompt_mask,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
     *,
     max_new_tokens: int,
     eos_ids,
     pad_id: int,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
     generators: list | None = None,
     group_size: int = 1,
-    stop_together=False,
+    stop_together: bool = False,
     vocab_size: int | None = None,
 ):
-    """Complete left-padded prompts [B, P], each group_size copies of a prompt encoded once, with a KV cache: greedily,
-    or argmax(filtered logits / T + Gumbel noise from each group's generator). stop_together: until every process is
-    done (FSDP's forwards are collectives). ids [B, T], mask [B, T] (to EOS, included), log-probs under softmax(l/T)."""
+    """Complete left-padded prompts [B, P] with a KV cache: greedily without generators, else sampling.
+
+    The rows come in groups of group_size copies of a prompt: each prompt is encoded once and its cache copied to its
+    group. stop_together: go on until every process is done (FSDP's forwards are collectives). Returns the completion
+    ids [B, T] (pad after EOS), their mask [B, T] (1 up to and including EOS), and the log-probs [B, T] of the tokens
+    under softmax(logits / T), the distribution before top-k and top-p.
+    """
     from transformers import DynamicCache
 
-    batch, cache, unique = prompt_ids.shape[0], DynamicCache(), slice(None, None, group_size)  # a row per group
+    batch_size = prompt_ids.shape[0]
     eos_ids = torch.tensor(eos_ids, device=prompt_ids.device).reshape(-1)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
+    first_of_group = slice(None, None, group_size)
+    cache = DynamicCache()
     logits = model(
-        input_ids=prompt_ids[unique],
-        attention_mask=prompt_mask[unique],
-        position_ids=positions[unique],
+        input_ids=prompt_ids[first_of_group],
+        attention_mask=prompt_mask[first_of_group],
+        position_ids=positions[first_of_group],
         cache=cache,
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1, :vocab_size]  # [B/G, V]
     cache.batch_repeat_interleave(group_size)
-    logits, attention_mask = logits.repeat_interleave(group_size, dim=0), prompt_mask  # [B, V]
-    finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
-    tokens, logps = [], []
+    logits = logits.repeat_interleave(group_size, dim=0)  # [B, V]
+    attention_mask = prompt_mask
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
+    tokens = []
+    logps = []
     for step in range(max_new_tokens):
-        scaled = logits.float() / (1.0 if generators is None else temperature)
         if generators is None:
+            scaled = logits.float()
             token = scaled.argmax(-1)
         else:
-            uniform = torch.cat(
-                [
-                    torch.rand(batch // len(generators), scaled.shape[-1], generator=g, device=scaled.device)
-                    for g in generators
-                ]
-            )  # [B, V]
-            token = (filter_logits(scaled, top_k, top_p) - torch.log(-torch.log(uniform))).argmax(-1)  # Gumbel-max
-        token = torch.where(finished, pad_id, token)
+            scaled = logits.float() / temperature
+            # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits); each group's noise from its generator
+            group_shape = (batch_size // len(generators), scaled.shape[-1])
+            uniform = torch.cat([torch.rand(group_shape, generator=g, device=scaled.device) for g in generators])
+            gumbel = -torch.log(-torch.log(uniform))  # [B, V]
+            token = (filter_logits(scaled, top_k, top_p) + gumbel).argmax(-1)
+        token = torch.where(finished, pad_id, token)  # [B]
         tokens.append(token)
         logps.append(torch.log_softmax(scaled, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1))
         finished |= torch.isin(token, eos_ids)
@@ -588,14 +665,14 @@ def generate(
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done or step == max_new_tokens - 1:  # the last token is never fed back
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, 1)], dim=1)
         logits = model(
             input_ids=token.unsqueeze(-1),
             attention_mask=attention_mask,
+            position_ids=positions[:, -1:] + step + 1,
             cache=cache,
             use_cache=True,
-            position_ids=positions[:, -1:] + step + 1,
-        ).logits[:, -1, :vocab_size]
+        ).logits[:, -1, :vocab_size]  # [B, V]
     completion_ids = torch.stack(tokens, 1)  # [B, T]
     is_eos = torch.isin(completion_ids, eos_ids)
     completion_mask = (is_eos.cumsum(1) - is_eos.long() == 0).long()  # no EOS before this position
@@ -604,17 +681,21 @@ def generate(
 
 def completion_logprobs(
     model,
-    prompt_ids,
-    prompt_mask,
-    completion_ids,
-    completion_mask,
-    temperature,
-    with_entropy=False,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
     prompt_of_row: list[int] | None = None,
     vocab_size: int | None = None,
 ):
-    """Log-probs [B, T] (and entropies or None) of the completion tokens. prompt_of_row: each row's prompt, numbered
-    from 0 as they appear; each prompt is then encoded once, its keys and values copied to its rows' completions."""
+    """Log-probs [B, T] (and entropies [B, T], or None) of the completion tokens under softmax(logits / T).
+
+    Prompt sharing, with prompt_of_row (each row's prompt, numbered from 0 in the order they first appear): rows that
+    share a prompt encode it once, and its keys and values are copied to each row before the completions run on them.
+    The log-probs and gradients are those of every row encoded whole; a prompt's compute is paid once, not per row.
+    """
     from transformers import DynamicCache
 
     length = completion_ids.shape[1]
@@ -628,66 +709,147 @@ def completion_logprobs(
             logits_to_keep=length,
         ).logits  # [B, T, V]
         return token_logprobs(logits, completion_ids, temperature, with_entropy, vocab_size=vocab_size)
-    first = [prompt_of_row.index(p) for p in range(max(prompt_of_row) + 1)]
-    owner, cache = torch.tensor(prompt_of_row, device=prompt_ids.device), DynamicCache()
+    first_rows = [prompt_of_row.index(p) for p in range(max(prompt_of_row) + 1)]  # a row of each prompt
+    owner = torch.tensor(prompt_of_row, device=prompt_ids.device)
+    cache = DynamicCache()
     logits = model(
-        input_ids=prompt_ids[first],
-        attention_mask=prompt_mask[first],
+        input_ids=prompt_ids[first_rows],
+        attention_mask=prompt_mask[first_rows],
+        position_ids=(prompt_mask[first_rows].cumsum(-1) - 1).clamp(min=0),
         cache=cache,
         use_cache=True,
-        position_ids=(prompt_mask[first].cumsum(-1) - 1).clamp(min=0),
         logits_to_keep=1,
     ).logits[owner]  # [B, 1, V]: the prompt's last position predicts token 0
     if length > 1:
         cache.batch_select_indices(owner)  # [U, heads, P, d] -> [B, heads, P, d] in every layer; gradients flow back
         positions = prompt_mask.sum(1, keepdim=True) + torch.arange(length - 1, device=prompt_ids.device)
-        logits = torch.cat(
-            [
-                logits,
-                model(
-                    input_ids=completion_ids[:, :-1],
-                    attention_mask=attention_mask,
-                    cache=cache,
-                    position_ids=positions,
-                    use_cache=True,
-                ).logits,
-            ],
-            dim=1,
-        )  # [B, T, V]
+        rest = model(
+            input_ids=completion_ids[:, :-1],
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        ).logits  # [B, T-1, V]
+        logits = torch.cat([logits, rest], dim=1)  # [B, T, V]
     return token_logprobs(logits, completion_ids, temperature, with_entropy, vocab_size=vocab_size)
 
 
 def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids: list[int]) -> list[str]:
     """Each completion's text before the EOS that ended it, other special tokens kept (no hiding junk in them)."""
-    lengths = completion_mask.sum(1) - torch.isin(completion_ids, torch.tensor(eos_ids)).any(1).long()
+    ended = torch.isin(completion_ids, torch.tensor(eos_ids)).any(1)
+    lengths = completion_mask.sum(1) - ended.long()
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths.tolist())])
 
 
-SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to encode each prompt once (2.5x, long prompts)
+class Rollout(NamedTuple):
+    """A step's sampled batch: this process's prompts, each group_size times, and their completions."""
+
+    prompt_ids: torch.Tensor  # [B, P], left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, T], padded after EOS
+    completion_mask: torch.Tensor  # [B, T], 1 up to and including EOS
+    sampler_logp: torch.Tensor  # [B, T], the sampler's log-probs of the tokens
 
 
-def micro_batches(
-    rows: range, size: int, group_size: int, prompt_lengths: list[int], completion_lengths: list[int], share: bool
-) -> list[tuple]:
-    """(rows, prompt columns, completion columns, prompt_of_row) per micro-batch, cut to its longest rows."""
+class MicroBatch(NamedTuple):
+    """Some rows of the rollout batch for one forward/backward pass, cut to their longest prompt and completion."""
+
+    rows: slice  # of the rollout batch
+    completion_cols: slice  # the completions' first columns, as many as the longest one's tokens
+    inputs: tuple  # the rows' prompt ids, prompt mask, completion ids and completion mask, cut to those widths
+    prompt_of_row: list[int] | None  # each row's prompt, numbered from 0, to share prompts; None: no sharing
+
+
+SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to share its prompts (2.5x on long prompts)
+
+
+def micro_batches(rollout: Rollout, rows: range, size: int, group_size: int, share: bool) -> list[MicroBatch]:
+    """A minibatch's rows cut into micro-batches of `size` rows. share: rows that repeat a prompt encode it once, where
+    that skips at least SHARE_MIN_POSITIONS prompt positions."""
+    prompt_lengths = rollout.prompt_mask.sum(1).tolist()
+    completion_lengths = rollout.completion_mask.sum(1).tolist()
     plans = []
-    for part in (range(start, min(start + size, rows.stop)) for start in range(rows.start, rows.stop, size)):
-        prompts = [row // group_size - part[0] // group_size for row in part]
-        prompt_width = max(prompt_lengths[row // group_size] for row in part)
-        shared = share and (len(part) - len(set(prompts))) * prompt_width >= SHARE_MIN_POSITIONS
-        completion_width = max(completion_lengths[row] for row in part)
-        plans.append(
-            (
-                slice(part.start, part.stop),
-                slice(-prompt_width, None),
-                slice(0, completion_width),
-                prompts if shared else None,
-            )
+    for start in range(rows.start, rows.stop, size):
+        part = slice(start, min(start + size, rows.stop))
+        prompt_width = max(prompt_lengths[part])
+        prompt_cols = slice(-prompt_width, None)  # left-padded: the prompts end in the last column
+        completion_cols = slice(0, max(completion_lengths[part]))
+        inputs = (
+            rollout.prompt_ids[part, prompt_cols],
+            rollout.prompt_mask[part, prompt_cols],
+            rollout.completion_ids[part, completion_cols],
+            rollout.completion_mask[part, completion_cols],
         )
+        prompt_of_row = [row // group_size - start // group_size for row in range(part.start, part.stop)]
+        repeated_positions = (len(prompt_of_row) - len(set(prompt_of_row))) * prompt_width
+        if not share or repeated_positions < SHARE_MIN_POSITIONS:
+            prompt_of_row = None
+        plans.append(MicroBatch(part, completion_cols, inputs, prompt_of_row))
     return plans
 
 
-# ---- Processes, checkpoints and flag checks
+@torch.no_grad()
+def fixed_logprobs(policy, rollout: Rollout, plans: list[MicroBatch], temperature: float, vocab_size: int):
+    """Log-probs [B, T] of the completion tokens of the planned micro-batches, without gradients; 0 in other rows."""
+    logp = torch.zeros_like(rollout.sampler_logp)
+    for micro in plans:
+        micro_logp, _ = completion_logprobs(policy, *micro.inputs, temperature, False, micro.prompt_of_row, vocab_size)
+        logp[micro.rows, micro.completion_cols] = micro_logp
+    return logp
+
+
+# ---- Data order, evaluation, processes, checkpoints and flag checks
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits the training rows: a permutation seeded by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def draw_prompts(seed: int, positions: list[int], num_rows: int, device) -> tuple[list[int], list[torch.Generator]]:
+    """The training rows at these positions of the data stream, and a random generator to sample each one's group.
+
+    The stream visits the rows epoch after epoch, each epoch in an order seeded by (seed, epoch), and the generator of
+    position p is seeded by (seed, p): a resumed or multi-process run samples what one uninterrupted process does.
+    """
+    rows = []
+    generators = []
+    for position in positions:
+        epoch, index = divmod(position, num_rows)
+        rows.append(int(epoch_order(seed, epoch, num_rows)[index]))
+        key = np.random.SeedSequence([seed, position]).generate_state(1)[0]
+        generators.append(torch.Generator(device).manual_seed(int(key)))
+    return rows, generators
+
+
+@torch.no_grad()
+def evaluate(
+    model, tokenizer, eos_ids, vocab_size, prompts, rows, args: Args, device, bf16: bool, batch_size: int
+) -> float:
+    """Greedy accuracy (the answer reward) on the held-out prompts; every process evaluates them all."""
+    if not rows:
+        return float("nan")
+    model.eval()
+    correct = 0.0
+    for start in range(0, len(rows), batch_size):
+        ids, mask = left_pad(prompts[start : start + batch_size], tokenizer.pad_token_id, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            completion_ids, completion_mask, _ = generate(
+                model,
+                ids,
+                mask,
+                max_new_tokens=args.max_new_tokens,
+                eos_ids=eos_ids,
+                pad_id=tokenizer.pad_token_id,
+                stop_together=args.fsdp,
+                vocab_size=vocab_size,
+            )
+        texts = decode_completions(tokenizer, completion_ids.cpu(), completion_mask.cpu(), eos_ids)
+        for text, row in zip(texts, rows[start : start + batch_size]):
+            correct += answer_reward(text, row["answer"])
+    model.train()
+    return correct / len(rows)
+
+
 # dense bf16 TFLOP/s by GPU name, for MFU (the more specific names first)
 PEAK_TFLOPS = {
     "H100 PCIe": 756,
@@ -698,7 +860,6 @@ PEAK_TFLOPS = {
     "L40S": 362,
     "L4": 121,
     "A10G": 70,
-    "4090": 165,
 }
 PHASES = ("generation", "reward", "reference", "update")  # of a step, timed apart
 CONSOLE = {
@@ -713,22 +874,9 @@ CONSOLE = {
 }
 # what a checkpoint must share with the run that resumes from it
 RUN_DEFINING = (
-    "model",
-    "data_path",
-    "lora_r",
-    "lora_alpha",
-    "lora_target_modules",
-    "chat_template",
-    "system_prompt",
-    "prompts_per_step",
-    "group_size",
-    "loss_type",
-    "kl_coef",
-    "learning_rate",
-    "num_iterations",
-    "num_minibatches",
-    "seed",
-)
+    "model data_path lora_r lora_alpha lora_target_modules chat_template system_prompt prompts_per_step group_size"
+    " loss_type kl_coef learning_rate num_iterations num_minibatches seed"
+).split()
 
 
 def all_sum(values: dict, device) -> dict:
@@ -739,24 +887,72 @@ def all_sum(values: dict, device) -> dict:
     return dict(zip(values, summed.tolist()))
 
 
+def clock(cuda: bool) -> float:
+    """Wall time in seconds, once the GPU has done the work queued so far."""
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def update_stats(logged: list[dict], num_minibatches: int, device) -> dict:
+    """The last pass's statistics over every micro-batch and process: token-weighted means, and the loss (each
+    micro-batch's is its share of its minibatch's loss) summed, then averaged over the minibatches."""
+    sums = {"loss": 0.0, "tokens": 0.0}
+    for stats in logged:
+        tokens = stats.pop("tokens")
+        sums["loss"] += stats.pop("loss")
+        sums["tokens"] += tokens
+        for key, value in stats.items():
+            sums[key] = sums.get(key, 0.0) + value * tokens
+    sums = all_sum(sums, device)
+    tokens = max(sums.pop("tokens"), 1.0)
+    means = {"loss": sums.pop("loss") / num_minibatches}
+    for key, value in sums.items():
+        means[key] = value / tokens
+    return means
+
+
+def benchmark_summary(history: list[dict], cuda: bool) -> dict:
+    """Time per step and per phase, generated and trained tokens/s, peak memory and MFU of a run's steps."""
+    timed = history[1:] or history  # the first step warms up: it is left out of the means and rates
+    totals = {}
+    for key in ("step_time_s", "generated_tokens", "generation_time_s", "trained_tokens", "update_time_s", "mfu"):
+        totals[key] = sum(float(metrics.get(key, math.nan)) for metrics in timed) if timed else math.nan
+    summary = {"step_time_s_mean": totals["step_time_s"] / max(len(timed), 1)}
+    for phase in PHASES:
+        summary[f"{phase}_time_s"] = sum(metrics[f"{phase}_time_s"] for metrics in history)
+    summary["generated_tokens_per_s"] = totals["generated_tokens"] / totals["generation_time_s"]
+    summary["trained_tokens_per_s"] = totals["trained_tokens"] / totals["update_time_s"]
+    if cuda:
+        summary["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        summary["peak_memory_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    summary["mfu"] = totals["mfu"] / max(len(timed), 1)
+    return summary
+
+
 def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: dict | None = None) -> None:
     """Model or adapter, tokenizer, args and, given a state, trainer_state.pt, written to path.tmp then renamed (a kill
     leaves no half checkpoint). Every process calls it, for FSDP to gather the shards; rank 0 writes."""
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, from FSDP's shards too
-    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(dict(model.named_parameters()))
-    weights = {k: v for k, v in dcp.get_model_state_dict(model, options=options).items() if k not in tied}
-    optimizer_state = dcp.get_optimizer_state_dict(model, optimizer, options=options) if optimizer else None
+    all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied = all_names - set(dict(model.named_parameters()))  # saved once, under their first name
+    weights = {name: w for name, w in dcp.get_model_state_dict(model, options=options).items() if name not in tied}
+    optimizer_state = None
+    if optimizer is not None:
+        optimizer_state = dcp.get_optimizer_state_dict(model, optimizer, options=options)
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    shutil.rmtree(path + ".tmp", ignore_errors=True)
-    model.save_pretrained(path + ".tmp", state_dict=weights)
-    tokenizer.save_pretrained(path + ".tmp")
-    with open(os.path.join(path + ".tmp", "args.json"), "w") as f:
+    temporary = path + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary, state_dict=weights)
+    tokenizer.save_pretrained(temporary)
+    with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump(asdict(args), f, indent=2)
     if state is not None:
-        torch.save({**state, "optimizer": optimizer_state}, os.path.join(path + ".tmp", "trainer_state.pt"))
+        torch.save({**state, "optimizer": optimizer_state}, os.path.join(temporary, "trainer_state.pt"))
     shutil.rmtree(path, ignore_errors=True)
-    os.replace(path + ".tmp", path)
+    os.replace(temporary, path)
 
 
 def prepare_output_dir(args: Args, device) -> tuple[str, str | None]:
@@ -764,24 +960,27 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None]:
     stamp = torch.tensor([time.time()], dtype=torch.float64, device=device)
     if dist.is_initialized():  # rank 0's clock: one run name everywhere
         dist.broadcast(stamp, src=0)
-    resume = args.resume_from
-    output_dir = args.output_dir or (
-        os.path.dirname(os.path.abspath(resume))
-        if resume not in (None, "latest")
-        else os.path.join("runs", f"grpo__{args.seed}__{int(stamp.item())}")
-    )
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    output_dir = args.output_dir
+    if output_dir is None and args.resume_from not in (None, "latest"):
+        output_dir = os.path.dirname(os.path.abspath(args.resume_from))
+    if output_dir is None:
+        output_dir = os.path.join("runs", f"grpo__{args.seed}__{int(stamp.item())}")
+    names = []
+    if os.path.isdir(output_dir):
+        names = os.listdir(output_dir)
     steps = sorted(int(name[11:]) for name in names if re.fullmatch(r"checkpoint-\d+", name))
-    resume = os.path.join(output_dir, f"checkpoint-{(steps or [0])[-1]}") if resume == "latest" else resume
+    resume = args.resume_from
+    if resume == "latest":
+        resume = os.path.join(output_dir, f"checkpoint-{(steps or [0])[-1]}")
     if resume is not None:
         if not os.path.isfile(os.path.join(resume, "trainer_state.pt")):
             raise UserError(f"--resume-from {args.resume_from}: no checkpoint of grpo.py at {resume}")
-        saved = json.loads(open(os.path.join(resume, "args.json")).read())
-        differ = [
-            f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
-            for key in RUN_DEFINING
-            if saved[key] != getattr(args, key)
-        ]
+        with open(os.path.join(resume, "args.json")) as f:
+            saved = json.load(f)
+        differ = []
+        for key in RUN_DEFINING:
+            if saved[key] != getattr(args, key):
+                differ.append(f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here")
         if differ:
             raise UserError(f"--resume-from {resume}: the checkpoint's run differs ({'; '.join(differ)})")
     elif "metrics.jsonl" in names or steps:
@@ -798,65 +997,88 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None]:
 def restore(path: str, output_dir: str, model, optimizer, args: Args) -> tuple[int, float, int]:
     """The optimiser state of a checkpoint, metrics.jsonl cut back to its step; (step, first eval, skipped updates)."""
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-    dcp.set_optimizer_state_dict(
-        model, optimizer, state["optimizer"], options=dcp.StateDictOptions(full_state_dict=args.fsdp)
-    )  # each shard its part
+    options = dcp.StateDictOptions(full_state_dict=args.fsdp)  # FSDP: each shard takes its part
+    dcp.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     torch.set_rng_state(state["rng"])
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
     if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(metrics_path):  # later rows: of a run being redone
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= state["step"]]
-        open(metrics_path, "w").writelines(kept)
+        with open(metrics_path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
     return state["step"], state["eval_accuracy_start"], state["skipped"]
 
 
 def check_args(args: Args, world_size: int) -> None:
     """The flag values users get wrong, before anything is loaded."""
     local_rows = args.prompts_per_step // world_size * args.group_size // args.num_minibatches
-    problems = {
-        "--group-size must be at least 2: advantages compare the completions of a prompt": args.group_size < 2,
-        "--clip-eps-low/high must be in (0, 1)": not 0 < args.clip_eps_low < 1 or not 0 < args.clip_eps_high < 1,
-        "--learning-rate and --temperature must be above 0": args.learning_rate <= 0 or args.temperature <= 0,
-        "--top-p must be in (0, 1]": not 0 < args.top_p <= 1,
-        f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world_size} processes times "
-        f"--num-minibatches {args.num_minibatches}": args.prompts_per_step % (world_size * args.num_minibatches),
-        f"--micro-batch-size {args.micro_batch_size} must divide the {local_rows} completions of a process's "
-        "minibatch": args.micro_batch_size < 0 or (args.micro_batch_size > 0 and local_rows % args.micro_batch_size),
-        "--fsdp needs a launch by torchrun": args.fsdp and "WORLD_SIZE" not in os.environ,
-    }
-    for message, wrong in problems.items():
+    micro_ok = args.micro_batch_size == 0 or (args.micro_batch_size > 0 and local_rows % args.micro_batch_size == 0)
+    checks = [
+        (args.group_size < 2, "--group-size must be at least 2: advantages compare the completions of a prompt"),
+        (not 0 < args.clip_eps_low < 1 or not 0 < args.clip_eps_high < 1, "--clip-eps-low/high must be in (0, 1)"),
+        (args.learning_rate <= 0 or args.temperature <= 0, "--learning-rate and --temperature must be above 0"),
+        (not 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
+        (
+            args.prompts_per_step % (world_size * args.num_minibatches) != 0,
+            f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world_size} processes times "
+            f"--num-minibatches {args.num_minibatches}",
+        ),
+        (
+            not micro_ok,
+            f"--micro-batch-size {args.micro_batch_size} must divide the {local_rows} completions of a process's "
+            "minibatch",
+        ),
+        (args.fsdp and "WORLD_SIZE" not in os.environ, "--fsdp needs a launch by torchrun"),
+    ]
+    for wrong, message in checks:
         if wrong:
             raise UserError(message)
 
 
 def train(args: Args) -> dict:
-    # ---- 1. processes, device, output directory
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    cuda, is_main, distributed = torch.cuda.is_available(), rank == 0, world_size > 1 or args.fsdp
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    # ---- Set-up: processes, device, output directory
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    is_main = rank == 0
+    distributed = world_size > 1 or args.fsdp
     check_args(args, world_size)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
     if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo")
-    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
-    amp = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    dtype = torch.float32
+    if bf16:
+        dtype = torch.bfloat16  # the compute dtype, under autocast; trained weights stay fp32
     output_dir, resume_path = prepare_output_dir(args, device)
 
-    # ---- 2. data, model, reference policy, optimiser
-    train_rows, eval_rows = builtin_task(args.seed) if args.data_path is None else (load_jsonl(args.data_path), [])
-    eval_rows = load_jsonl(args.eval_data_path) if args.eval_data_path else eval_rows
+    # ---- Data, policy, reference policy, rewards, optimiser
+    if args.data_path is None:
+        train_rows, eval_rows = builtin_task(args.seed)
+    else:
+        train_rows = load_jsonl(args.data_path)
+        eval_rows = []
+    if args.eval_data_path:
+        eval_rows = load_jsonl(args.eval_data_path)
     seed_everything(args.seed)
     model, tokenizer, reference, eos_ids = build_policy(args, dtype, resume_path, device)
+    eos_tensor = torch.tensor(eos_ids, device=device)
     vocab_size = max(len(tokenizer), max(eos_ids) + 1)  # sample the tokenizer's ids, not padded embedding rows
-    train_prompts, eval_prompts = (encode_prompts(tokenizer, rows, args) for rows in (train_rows, eval_rows))
+    train_prompts = encode_prompts(tokenizer, train_rows, args)
+    eval_prompts = encode_prompts(tokenizer, eval_rows, args)
     reward_fns = make_reward_fns(args, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
-    start_step, eval_accuracy, skipped_updates, bad_updates = 0, float("nan"), 0, 0
+    start_step = 0
+    eval_accuracy = math.nan
+    skipped_updates = 0
     if resume_path:
         start_step, eval_accuracy, skipped_updates = restore(resume_path, output_dir, model, optimizer, args)
 
-    # ---- 3. logging; the batch layout: a process holds whole groups, its minibatches are runs of them
+    # ---- Logging and the batch's layout: a process holds whole groups, its minibatches are runs of them
     logger = RunLogger(
         output_dir,
         asdict(args),
@@ -867,70 +1089,49 @@ def train(args: Args) -> dict:
         enabled=is_main,
         append=resume_path is not None,
     )
-    n_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters())
+    num_trained = sum(p.numel() for p in trainable)
     print0(
-        f"model {args.model}: {n_params:,} parameters ({sum(p.numel() for p in trainable):,} trained), {dtype}, "
-        f"{world_size} process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out",
+        f"model {args.model}: {num_params:,} parameters ({num_trained:,} trained), {dtype}, {world_size} process(es); "
+        f"{len(train_rows)} training prompts, {len(eval_rows)} held out",
         enabled=is_main,
     )
-    local_rows = args.prompts_per_step // world_size * args.group_size
+    local_rows = args.prompts_per_step // world_size * args.group_size  # B: this process's completions per step
     minibatch_rows = local_rows // args.num_minibatches
     minibatches = [range(j * minibatch_rows, (j + 1) * minibatch_rows) for j in range(args.num_minibatches)]
+    micro_batch_size = args.micro_batch_size or minibatch_rows
     share_prompts = not (args.gradient_checkpointing or args.fsdp)  # both need one forward pass per micro-batch
-    peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), 0) if cuda else 0
-
-    @torch.no_grad()
-    def evaluate() -> float:  # greedy accuracy on the held-out prompts; every process evaluates them all
-        correct = 0.0
-        for start in range(0, len(eval_rows), local_rows):
-            ids, mask = left_pad(eval_prompts[start : start + local_rows], tokenizer.pad_token_id, device)
-            with amp():
-                completion_ids, completion_mask, _ = generate(
-                    model.eval(),
-                    ids,
-                    mask,
-                    max_new_tokens=args.max_new_tokens,
-                    eos_ids=eos_ids,
-                    vocab_size=vocab_size,
-                    pad_id=tokenizer.pad_token_id,
-                    stop_together=args.fsdp,
-                )
-            texts = decode_completions(tokenizer, completion_ids.cpu(), completion_mask.cpu(), eos_ids)
-            correct += sum(answer_reward(text, row["answer"]) for text, row in zip(texts, eval_rows[start:]))
-        return correct / len(eval_rows) if eval_rows else float("nan")
-
-    def clock() -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
+    peak_tflops = 0.0
+    if cuda:
+        peak_tflops = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), 0)
     if not resume_path and eval_rows:
-        eval_accuracy = evaluate()
+        eval_accuracy = evaluate(
+            model, tokenizer, eos_ids, vocab_size, eval_prompts, eval_rows, args, device, bf16, local_rows
+        )
         logger.log(0, {"eval_accuracy": eval_accuracy})
-    eval_accuracy_start, stop_signals, history, run_start, stopped = eval_accuracy, [], [], time.perf_counter(), False
-    handlers = {
-        sig: signal.signal(sig, lambda sig, frame: stop_signals.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    eval_accuracy_start = eval_accuracy
+    bad_updates = 0
+    history = []
+    stopped = False
+    stop_signals = []
+
+    def request_stop(signum, frame):  # a signal ends the step, then a checkpoint is saved
+        stop_signals.append(signum)
+
+    previous_handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    run_start = time.perf_counter()
     try:
         for step in range(start_step, args.total_steps):
-            t_start = clock()
-            # 1. rollout: this process's prompts r, r + W, r + 2W ... of the step's, each group_size times
-            indices = list(range(rank, args.prompts_per_step, world_size))
-            positions, n = [step * args.prompts_per_step + i for i in indices], len(train_rows)
-            order = {e: np.random.default_rng([args.seed, e]).permutation(n) for e in {p // n for p in positions}}
-            chosen = [int(order[p // n][p % n]) for p in positions]  # epoch e's order is seeded by (seed, e)
-            generators = [
-                torch.Generator(device).manual_seed(
-                    int(np.random.SeedSequence([args.seed, step, i]).generate_state(1)[0])
-                )
-                for i in indices
-            ]
-            prompt_ids, prompt_mask = left_pad(
-                [train_prompts[i] for i in chosen for _ in range(args.group_size)], tokenizer.pad_token_id, device
-            )  # [B, P]
-            with amp():
-                completion_ids, completion_mask, sampler_logp = generate(
-                    model.eval(),
+            step_start = clock(cuda)
+            # 1. rollout: this process's prompts (r, r + W, r + 2W ... of the step's), group_size completions each
+            positions = [step * args.prompts_per_step + i for i in range(rank, args.prompts_per_step, world_size)]
+            chosen, generators = draw_prompts(args.seed, positions, len(train_rows), device)
+            group_prompts = [train_prompts[i] for i in chosen for _ in range(args.group_size)]
+            prompt_ids, prompt_mask = left_pad(group_prompts, tokenizer.pad_token_id, device)  # [B, P]
+            model.eval()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                sampled = generate(
+                    model,
                     prompt_ids,
                     prompt_mask,
                     max_new_tokens=args.max_new_tokens,
@@ -945,181 +1146,166 @@ def train(args: Args) -> dict:
                     vocab_size=vocab_size,
                 )
             model.train()
-            t_generated = clock()
+            rollout = Rollout(prompt_ids, prompt_mask, *sampled)
+            completion_mask = rollout.completion_mask
+            generated_at = clock(cuda)
 
             # 2. rewards, on the text before EOS
-            completions = decode_completions(tokenizer, completion_ids.cpu(), completion_mask.cpu(), eos_ids)
-            rows = [train_rows[i] for i in chosen for _ in range(args.group_size)]
-            rewards = compute_rewards([r["prompt"] for r in rows], completions, [r["answer"] for r in rows], reward_fns)
-            total = sum(weight * rewards[name] for name, _, weight in reward_fns)
-            t_rewarded = clock()
+            completions = decode_completions(tokenizer, rollout.completion_ids.cpu(), completion_mask.cpu(), eos_ids)
+            sample_rows = [train_rows[i] for i in chosen for _ in range(args.group_size)]
+            prompts = [row["prompt"] for row in sample_rows]
+            answers = [row["answer"] for row in sample_rows]
+            rewards = compute_rewards(prompts, completions, answers, reward_fns)  # {name: [B]}
+            reward = sum(weight * rewards[name] for name, _, weight in reward_fns)  # [B]
+            rewarded_at = clock(cuda)
 
             # 3. advantages, over every process's groups (the batch's std needs them all)
-            scores = torch.stack([total, *rewards.values()]).to(device)  # [1 + R, B], R[0] the answer reward
+            scores = torch.stack([reward, *rewards.values()]).to(device)  # [1 + R, B]: the total, then each reward
             if distributed:
                 parts = [torch.empty_like(scores) for _ in range(world_size)]
                 dist.all_gather(parts, scores)
                 scores = torch.cat(parts, 1)  # [1 + R, W*B], rank after rank
-            all_advantages = group_advantages(scores[0], args.group_size, args.scale_rewards)
+            all_advantages = group_advantages(scores[0], args.group_size, args.scale_rewards)  # [W*B]
             advantages = all_advantages[rank * local_rows : (rank + 1) * local_rows]  # [B]
-            truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # [B]
-            loss_mask = completion_mask * ~truncated[:, None] if args.mask_truncated_completions else completion_mask
+            truncated = ~torch.isin(rollout.completion_ids, eos_tensor).any(1)  # [B]: cut at --max-new-tokens
+            loss_mask = completion_mask
+            if args.mask_truncated_completions:
+                loss_mask = completion_mask * ~truncated[:, None]
 
-            # 4. reference and old log-probs, no grad: minibatch 0's old ones are copied from its first training
-            # forward (ratio 1); minibatches 1+ are scored here, before any update moves the policy
-            plans = [
-                micro_batches(
-                    rows_j,
-                    args.micro_batch_size or minibatch_rows,
-                    args.group_size,
-                    [len(train_prompts[i]) for i in chosen],
-                    completion_mask.sum(1).tolist(),
-                    share_prompts,
-                )
-                for rows_j in minibatches
-            ]
-            ref_logp, old_logp = torch.zeros_like(sampler_logp), torch.zeros_like(sampler_logp)
+            # 4. log-probs that stay fixed through the update, without gradients: the reference policy's, for the KL,
+            # and the rollout policy's ("old"), which the ratio r = pi / pi_old divides by. Minibatch 0 is trained on
+            # before any update moves the policy, so its old log-probs are those of its first training forward (step
+            # 5); minibatches 1+ are scored here, by the policy that sampled them.
+            plans = [micro_batches(rollout, mb, micro_batch_size, args.group_size, share_prompts) for mb in minibatches]
+            every_micro_batch = [micro for plan in plans for micro in plan]
+            later_micro_batches = [micro for plan in plans[1:] for micro in plan]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                ref_logp = torch.zeros_like(rollout.sampler_logp)  # unused at --kl-coef 0
+                if args.kl_coef and args.lora_r:
+                    with model.disable_adapter():  # the base model without its adapter is the initial policy
+                        ref_logp = fixed_logprobs(model, rollout, every_micro_batch, args.temperature, vocab_size)
+                elif args.kl_coef:
+                    ref_logp = fixed_logprobs(reference, rollout, every_micro_batch, args.temperature, vocab_size)
+                old_logp = fixed_logprobs(model, rollout, later_micro_batches, args.temperature, vocab_size)
+            referenced_at = clock(cuda)
 
-            def logprobs(policy, rows_mb, p_cols, c_cols, prompt_of_row, with_entropy=False):
-                with amp():
-                    return completion_logprobs(
-                        policy,
-                        prompt_ids[rows_mb, p_cols],
-                        prompt_mask[rows_mb, p_cols],
-                        completion_ids[rows_mb, c_cols],
-                        completion_mask[rows_mb, c_cols],
-                        args.temperature,
-                        with_entropy,
-                        prompt_of_row,
-                        vocab_size,
-                    )
-
-            with torch.no_grad():
-                if args.kl_coef:
-                    with model.disable_adapter() if args.lora_r else torch.no_grad():  # no adapter: the initial policy
-                        for rows_mb, p_cols, c_cols, shared in itertools.chain(*plans):
-                            ref_logp[rows_mb, c_cols] = logprobs(
-                                model if reference is None else reference, rows_mb, p_cols, c_cols, shared
-                            )[0]
-                for rows_mb, p_cols, c_cols, shared in itertools.chain(*plans[1:]):
-                    old_logp[rows_mb, c_cols] = logprobs(model, rows_mb, p_cols, c_cols, shared)[0]
-            t_referenced = clock()
-
-            # 5. update: num_iterations passes of num_minibatches optimiser steps, each accumulating micro-batches
-            counts = all_sum({j: loss_mask[mb.start : mb.stop].sum() for j, mb in enumerate(minibatches)}, device)
-            stat_sums, grad_norms, loss_sum = {}, [], 0.0
-            for iteration, j in itertools.product(range(args.num_iterations), range(args.num_minibatches)):
-                last_pass = iteration == args.num_iterations - 1  # the batch as its last pass saw it is logged
-                for rows_mb, p_cols, c_cols, prompt_of_row in plans[j]:
-                    mask = loss_mask[rows_mb, c_cols]
-                    logp, entropy = logprobs(model, rows_mb, p_cols, c_cols, prompt_of_row, with_entropy=last_pass)
-                    if iteration == 0 and j == 0:
-                        old_logp[rows_mb, c_cols] = logp.detach()
-                    loss, stats = grpo_loss(
-                        logp,
-                        old_logp[rows_mb, c_cols],
-                        ref_logp[rows_mb, c_cols],
-                        advantages[rows_mb],
-                        mask,
-                        clip_eps_low=args.clip_eps_low,
-                        clip_eps_high=args.clip_eps_high,
-                        kl_coef=args.kl_coef,
-                        loss_type=args.loss_type,
-                        max_completion_length=args.max_new_tokens,
-                        delta=args.delta,
-                        importance_sampling=args.importance_sampling,
-                        kl_estimator=args.kl_estimator,
-                        kl_ratio_weighted=args.kl_ratio_weighted,
-                        total_sequences=minibatch_rows * world_size,
-                        total_tokens=counts[j],
-                    )
-                    loss.backward()
-                    if last_pass:  # stats weighted by tokens (stat_sums["tokens"]: their count), mean loss
-                        tokens, loss_sum = stats.pop("tokens"), loss_sum + loss.detach() / args.num_minibatches
-                        stats.update(entropy=(entropy * mask).sum() / tokens.clamp(min=1.0), tokens=torch.ones(()))
-                        for key, value in stats.items():
-                            stat_sums[key] = stat_sums.get(key, 0.0) + value * tokens
-                if distributed and not args.fsdp:  # gradients summed over processes (FSDP has done it)
-                    for p in trainable:
-                        dist.all_reduce(p.grad)
-                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max(args.max_grad_norm, 0) or math.inf)
-                grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
-                if math.isfinite(grad_norms[-1]):  # the same on every process: the gradients are summed
-                    optimizer.step()
-                    bad_updates = 0
-                else:  # a non-finite loss or gradient would poison the weights
-                    bad_updates, skipped_updates = bad_updates + 1, skipped_updates + 1
-                    print0(
-                        f"warning: step {step + 1}: non-finite gradient, update skipped",
-                        file=sys.stderr,
-                        enabled=is_main,
-                    )
-                    if bad_updates >= args.max_bad_steps:
-                        raise UserError(
-                            f"{bad_updates} updates in a row had a non-finite loss or gradient: lower "
-                            "--learning-rate or check the rewards"
+            # 5. update: num_iterations passes over the batch, each num_minibatches optimiser steps (PPO's epochs and
+            # minibatches); a minibatch's micro-batches accumulate their gradients
+            minibatch_tokens = all_sum(
+                {j: loss_mask[mb.start : mb.stop].sum() for j, mb in enumerate(minibatches)}, device
+            )
+            grad_norms = []
+            logged = []  # the last pass's statistics, one dict per micro-batch
+            for iteration in range(args.num_iterations):
+                last_pass = iteration == args.num_iterations - 1
+                for j, plan in enumerate(plans):
+                    for micro in plan:
+                        part = micro.rows
+                        cols = micro.completion_cols
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                            logp, entropy = completion_logprobs(
+                                model, *micro.inputs, args.temperature, last_pass, micro.prompt_of_row, vocab_size
+                            )
+                        if iteration == 0 and j == 0:  # the policy has not moved yet: these are the old log-probs
+                            old_logp[part, cols] = logp.detach()
+                        mask = loss_mask[part, cols]
+                        loss, stats = grpo_loss(
+                            logp,
+                            old_logp[part, cols],
+                            ref_logp[part, cols],
+                            advantages[part],
+                            mask,
+                            clip_eps_low=args.clip_eps_low,
+                            clip_eps_high=args.clip_eps_high,
+                            kl_coef=args.kl_coef,
+                            loss_type=args.loss_type,
+                            max_completion_length=args.max_new_tokens,
+                            delta=args.delta,
+                            importance_sampling=args.importance_sampling,
+                            kl_estimator=args.kl_estimator,
+                            kl_ratio_weighted=args.kl_ratio_weighted,
+                            total_sequences=minibatch_rows * world_size,
+                            total_tokens=minibatch_tokens[j],
                         )
-                optimizer.zero_grad(set_to_none=True)
-            t_updated = clock()
+                        loss.backward()
+                        if last_pass:
+                            stats["loss"] = loss.detach()
+                            stats["entropy"] = (entropy * mask).sum() / stats["tokens"].clamp(min=1.0)
+                            logged.append(stats)
+                    if distributed and not args.fsdp:  # each process's loss is its share: the gradients are summed
+                        for p in trainable:
+                            dist.all_reduce(p.grad)
+                    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
+                    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+                    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm is a tensor sharded over processes
+                        grad_norm = grad_norm.full_tensor()
+                    grad_norms.append(float(grad_norm))
+                    if math.isfinite(grad_norms[-1]):  # the same on every process: the gradients are summed
+                        optimizer.step()
+                        bad_updates = 0
+                    else:  # a non-finite loss or gradient would poison the weights: skip the update
+                        skipped_updates += 1
+                        bad_updates += 1
+                        print0(
+                            f"warning: step {step + 1}: non-finite gradient, update skipped",
+                            file=sys.stderr,
+                            enabled=is_main,
+                        )
+                        if bad_updates >= args.max_bad_steps:
+                            raise UserError(
+                                f"{bad_updates} updates in a row had a non-finite loss or gradient: lower "
+                                "--learning-rate or check the rewards"
+                            )
+                    optimizer.zero_grad(set_to_none=True)
+            updated_at = clock(cuda)
 
             # 6. log, evaluate, save; the metrics are over every process
-            gap = (old_logp - sampler_logp).abs() * completion_mask  # trainer vs sampler, same weights and tokens
-            sums = all_sum(
-                {
-                    **stat_sums,
-                    "loss": loss_sum,
-                    "gap": gap.sum(),
-                    "generated": completion_mask.sum(),
-                    "truncated": truncated.sum(),
-                    "prompt_tokens": prompt_mask.sum(),
-                    "stop": len(stop_signals),
-                    "trained_tokens": loss_mask.sum() * args.num_iterations,
-                },
-                device,
-            )
-            metrics = {
-                "reward": scores[0].mean(),
-                "reward_std": scores[0].std(),
-                "accuracy": scores[1].mean(),
-                **{f"reward_{name}": scores[1 + i].mean() for i, name in enumerate(rewards)},
-                "frac_zero_std_groups": (all_advantages.view(-1, args.group_size) == 0).all(1).float().mean(),
-                "loss": sums["loss"],
-                "grad_norm": np.mean(grad_norms[-args.num_minibatches :]),
-                **{key: sums[key] / max(sums["tokens"], 1.0) for key in stat_sums if key != "tokens"},
-                "completion_length": sums["generated"] / scores.shape[1],
-                "truncated_frac": sums["truncated"] / scores.shape[1],
-                "logp_gap_mean": sums["gap"] / sums["generated"],
-                "generated_tokens": sums["generated"],
-                "trained_tokens": sums["trained_tokens"],
-                "generation_time_s": t_generated - t_start,
-                "reward_time_s": t_rewarded - t_generated,
-                "reference_time_s": t_referenced - t_rewarded,
-                "update_time_s": t_updated - t_referenced,
-                "step_time_s": t_updated - t_start,
+            metrics = {"reward": scores[0].mean(), "reward_std": scores[0].std(), "accuracy": scores[1].mean()}
+            for i, name in enumerate(rewards):
+                metrics[f"reward_{name}"] = scores[1 + i].mean()
+            metrics["frac_zero_std_groups"] = (all_advantages.view(-1, args.group_size) == 0).all(1).float().mean()
+            metrics.update(update_stats(logged, args.num_minibatches, device))
+            metrics["grad_norm"] = np.mean(grad_norms[-args.num_minibatches :])
+            gap = (old_logp - rollout.sampler_logp).abs() * completion_mask  # trainer vs sampler: same weights, tokens
+            counts = {
+                "generated": completion_mask.sum(),
+                "truncated": truncated.sum(),
+                "prompt_tokens": prompt_mask.sum(),
+                "gap": gap.sum(),
+                "stop": len(stop_signals),
             }
-            if peak_tflops and dtype == torch.bfloat16:  # FLOPs: 2 a weight and token forward, 4 backward (LoRA: 2)
+            counts = all_sum(counts, device)
+            num_completions = scores.shape[1]
+            metrics["completion_length"] = counts["generated"] / num_completions
+            metrics["truncated_frac"] = counts["truncated"] / num_completions
+            metrics["logp_gap_mean"] = counts["gap"] / counts["generated"]
+            metrics["generated_tokens"] = counts["generated"]
+            metrics["trained_tokens"] = sum(minibatch_tokens.values()) * args.num_iterations
+            metrics["generation_time_s"] = generated_at - step_start
+            metrics["reward_time_s"] = rewarded_at - generated_at
+            metrics["reference_time_s"] = referenced_at - rewarded_at
+            metrics["update_time_s"] = updated_at - referenced_at
+            metrics["step_time_s"] = updated_at - step_start
+            if peak_tflops and bf16:  # FLOPs: 2 per weight and token forward, 4 backward (2 with LoRA)
                 passes = 1 + (args.kl_coef > 0) + args.num_iterations * (2 if args.lora_r else 3)  # rollout ~ 1 pass
-                flops = 2 * n_params * passes * (sums["prompt_tokens"] + sums["generated"])
+                flops = 2 * num_params * passes * (counts["prompt_tokens"] + counts["generated"])
                 metrics["mfu"] = flops / world_size / metrics["step_time_s"] / (peak_tflops * 1e12)
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
-                eval_accuracy = metrics["eval_accuracy"] = evaluate()
+                eval_accuracy = evaluate(
+                    model, tokenizer, eos_ids, vocab_size, eval_prompts, eval_rows, args, device, bf16, local_rows
+                )
+                metrics["eval_accuracy"] = eval_accuracy
             logger.log(step + 1, metrics)
             history.append(metrics)
-            stopped = sums["stop"] > 0  # a signal stops every process after the same step
+            stopped = counts["stop"] > 0  # a signal to any process stops every process after the same step
             if (args.save_every and (step + 1) % args.save_every == 0) or stopped:
-                save_run(
-                    os.path.join(output_dir, f"checkpoint-{step + 1}"),
-                    model,
-                    tokenizer,
-                    args,
-                    optimizer,
-                    {
-                        "step": step + 1,
-                        "eval_accuracy_start": eval_accuracy_start,
-                        "skipped": skipped_updates,
-                        "rng": torch.get_rng_state(),
-                    },
-                )
+                state = {
+                    "step": step + 1,
+                    "eval_accuracy_start": eval_accuracy_start,
+                    "skipped": skipped_updates,
+                    "rng": torch.get_rng_state(),
+                }
+                save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), model, tokenizer, args, optimizer, state)
             if stopped:
                 print0(
                     f"stopped by a signal: checkpoint-{step + 1} saved; continue with the same command and "
@@ -1128,39 +1314,31 @@ def train(args: Args) -> dict:
                 )
                 break
     finally:
-        for sig, handler in handlers.items():
+        for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 
-    # ---- 4. final model, evaluation, benchmark summary (the first step, which warms up, left out of the means)
+    # ---- Final model, evaluation and benchmark summary
     if not stopped:
         save_run(os.path.join(output_dir, "final"), model, tokenizer, args)
-        eval_accuracy = evaluate()
+        eval_accuracy = evaluate(
+            model, tokenizer, eos_ids, vocab_size, eval_prompts, eval_rows, args, device, bf16, local_rows
+        )
         if eval_rows:
             logger.log(start_step + len(history), {"eval_accuracy": eval_accuracy})
-    timed = history[1:] or history
-
-    def total(key: str) -> float:
-        return sum(float(m.get(key, math.nan)) for m in timed) if timed else math.nan
-
     summary = {
         "steps": start_step + len(history),
         "interrupted": stopped,
         "total_time_s": time.perf_counter() - run_start,
-        "step_time_s_mean": total("step_time_s") / max(len(timed), 1),
-        **{f"{part}_time_s": sum(m[f"{part}_time_s"] for m in history) for part in PHASES},
-        "generated_tokens_per_s": total("generated_tokens") / total("generation_time_s"),
-        "trained_tokens_per_s": total("trained_tokens") / total("update_time_s"),
-        "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20
-        if cuda
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "mfu": total("mfu") / max(len(timed), 1),
-        "eval_accuracy_start": eval_accuracy_start,
-        "eval_accuracy_end": eval_accuracy,
-        "skipped_updates": skipped_updates,
-        "resumed_from_step": start_step,
-        "stop_signal": signal.Signals((stop_signals or [signal.SIGTERM])[0]).name if stopped else None,
     }
-    if not stopped:
+    summary.update(benchmark_summary(history, cuda))
+    summary["eval_accuracy_start"] = eval_accuracy_start
+    summary["eval_accuracy_end"] = eval_accuracy
+    summary["skipped_updates"] = skipped_updates
+    summary["resumed_from_step"] = start_step
+    summary["stop_signal"] = None
+    if stopped:
+        summary["stop_signal"] = signal.Signals(stop_signals[0]).name
+    else:
         logger.summary(summary, output_dir)
     logger.close()
     if distributed:
