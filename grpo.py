@@ -465,11 +465,8 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
             num_hidden_layers=2,
             num_attention_heads=4,
             intermediate_size=512,
-            max_position_embeddings=256,
             tie_word_embeddings=True,
             pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
         )
         model = LlamaForCausalLM(config)
     else:
@@ -531,13 +528,11 @@ def build_policy(args: Args, dtype: torch.dtype, resume_path: str | None, device
             module.to(device)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    stop_ids = {tokenizer.eos_token_id}
-    configured = model.generation_config.eos_token_id  # chat models end a turn with any of several
-    if isinstance(configured, int):
-        stop_ids.add(configured)
-    elif configured:
-        stop_ids.update(configured)
-    return model.train(), tokenizer, reference, sorted(stop_ids)
+    configured = (
+        model.generation_config.eos_token_id or []
+    )  # an id or a list: chat models end a turn with any of several
+    stop_ids = sorted({tokenizer.eos_token_id, *np.ravel(configured).tolist()})
+    return model.train(), tokenizer, reference, stop_ids
 
 
 def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None:
@@ -734,21 +729,46 @@ def completion_logprobs(
     return token_logprobs(logits, completion_ids, temperature, with_entropy, vocab_size=vocab_size)
 
 
-def decode_completions(tokenizer, completion_ids, completion_mask, eos_ids: list[int]) -> list[str]:
-    """Each completion's text before the EOS that ended it, other special tokens kept (no hiding junk in them)."""
-    ended = torch.isin(completion_ids, torch.tensor(eos_ids)).any(1)
-    lengths = completion_mask.sum(1) - ended.long()
-    return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths.tolist())])
-
-
 class Rollout(NamedTuple):
-    """A step's sampled batch: this process's prompts, each group_size times, and their completions."""
+    """Prompts and their sampled completions."""
 
     prompt_ids: torch.Tensor  # [B, P], left-padded
     prompt_mask: torch.Tensor  # [B, P]
     completion_ids: torch.Tensor  # [B, T], padded after EOS
     completion_mask: torch.Tensor  # [B, T], 1 up to and including EOS
     sampler_logp: torch.Tensor  # [B, T], the sampler's log-probs of the tokens
+
+
+def rollout(model, tokenizer, eos_ids, vocab_size, prompts, args: Args, device, bf16, generators=None, group_size=1):
+    """Complete the prompts (token id lists): sampled, each group with its generator, or greedy without generators."""
+    prompt_ids, prompt_mask = left_pad(prompts, tokenizer.pad_token_id, device)  # [B, P]
+    model.eval()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        completion_ids, completion_mask, sampler_logp = generate(
+            model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=args.max_new_tokens,
+            eos_ids=eos_ids,
+            pad_id=tokenizer.pad_token_id,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            generators=generators,
+            group_size=group_size,
+            stop_together=args.fsdp,
+            vocab_size=vocab_size,
+        )
+    model.train()
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp)
+
+
+def decode_completions(tokenizer, completed: Rollout, eos_ids: list[int]) -> list[str]:
+    """Each completion's text before the EOS that ended it, other special tokens kept (no hiding junk in them)."""
+    completion_ids = completed.completion_ids.cpu()
+    ended = torch.isin(completion_ids, torch.tensor(eos_ids)).any(1)
+    lengths = completed.completion_mask.sum(1).cpu() - ended.long()
+    return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths.tolist())])
 
 
 class MicroBatch(NamedTuple):
@@ -763,11 +783,11 @@ class MicroBatch(NamedTuple):
 SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to share its prompts (2.5x on long prompts)
 
 
-def micro_batches(rollout: Rollout, rows: range, size: int, group_size: int, share: bool) -> list[MicroBatch]:
+def micro_batches(batch: Rollout, rows: range, size: int, group_size: int, share: bool) -> list[MicroBatch]:
     """A minibatch's rows cut into micro-batches of `size` rows. share: rows that repeat a prompt encode it once, where
     that skips at least SHARE_MIN_POSITIONS prompt positions."""
-    prompt_lengths = rollout.prompt_mask.sum(1).tolist()
-    completion_lengths = rollout.completion_mask.sum(1).tolist()
+    prompt_lengths = batch.prompt_mask.sum(1).tolist()
+    completion_lengths = batch.completion_mask.sum(1).tolist()
     plans = []
     for start in range(rows.start, rows.stop, size):
         part = slice(start, min(start + size, rows.stop))
@@ -775,10 +795,10 @@ def micro_batches(rollout: Rollout, rows: range, size: int, group_size: int, sha
         prompt_cols = slice(-prompt_width, None)  # left-padded: the prompts end in the last column
         completion_cols = slice(0, max(completion_lengths[part]))
         inputs = (
-            rollout.prompt_ids[part, prompt_cols],
-            rollout.prompt_mask[part, prompt_cols],
-            rollout.completion_ids[part, completion_cols],
-            rollout.completion_mask[part, completion_cols],
+            batch.prompt_ids[part, prompt_cols],
+            batch.prompt_mask[part, prompt_cols],
+            batch.completion_ids[part, completion_cols],
+            batch.completion_mask[part, completion_cols],
         )
         prompt_of_row = [row // group_size - start // group_size for row in range(part.start, part.stop)]
         repeated_positions = (len(prompt_of_row) - len(set(prompt_of_row))) * prompt_width
@@ -789,9 +809,9 @@ def micro_batches(rollout: Rollout, rows: range, size: int, group_size: int, sha
 
 
 @torch.no_grad()
-def fixed_logprobs(policy, rollout: Rollout, plans: list[MicroBatch], temperature: float, vocab_size: int):
+def fixed_logprobs(policy, batch: Rollout, plans: list[MicroBatch], temperature: float, vocab_size: int):
     """Log-probs [B, T] of the completion tokens of the planned micro-batches, without gradients; 0 in other rows."""
-    logp = torch.zeros_like(rollout.sampler_logp)
+    logp = torch.zeros_like(batch.sampler_logp)
     for micro in plans:
         micro_logp, _ = completion_logprobs(policy, *micro.inputs, temperature, False, micro.prompt_of_row, vocab_size)
         logp[micro.rows, micro.completion_cols] = micro_logp
@@ -822,45 +842,22 @@ def draw_prompts(seed: int, positions: list[int], num_rows: int, device) -> tupl
 
 
 @torch.no_grad()
-def evaluate(
-    model, tokenizer, eos_ids, vocab_size, prompts, rows, args: Args, device, bf16: bool, batch_size: int
-) -> float:
+def evaluate(model, tokenizer, eos_ids, vocab_size, prompts, rows, args: Args, device, bf16, batch_size: int) -> float:
     """Greedy accuracy (the answer reward) on the held-out prompts; every process evaluates them all."""
     if not rows:
         return float("nan")
-    model.eval()
     correct = 0.0
     for start in range(0, len(rows), batch_size):
-        ids, mask = left_pad(prompts[start : start + batch_size], tokenizer.pad_token_id, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            completion_ids, completion_mask, _ = generate(
-                model,
-                ids,
-                mask,
-                max_new_tokens=args.max_new_tokens,
-                eos_ids=eos_ids,
-                pad_id=tokenizer.pad_token_id,
-                stop_together=args.fsdp,
-                vocab_size=vocab_size,
-            )
-        texts = decode_completions(tokenizer, completion_ids.cpu(), completion_mask.cpu(), eos_ids)
+        chunk = prompts[start : start + batch_size]
+        completed = rollout(model, tokenizer, eos_ids, vocab_size, chunk, args, device, bf16)
+        texts = decode_completions(tokenizer, completed, eos_ids)
         for text, row in zip(texts, rows[start : start + batch_size]):
             correct += answer_reward(text, row["answer"])
-    model.train()
     return correct / len(rows)
 
 
 # dense bf16 TFLOP/s by GPU name, for MFU (the more specific names first)
-PEAK_TFLOPS = {
-    "H100 PCIe": 756,
-    "H100": 989,
-    "H200": 989,
-    "B200": 2250,
-    "A100": 312,
-    "L40S": 362,
-    "L4": 121,
-    "A10G": 70,
-}
+PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121}
 PHASES = ("generation", "reward", "reference", "update")  # of a step, timed apart
 CONSOLE = {
     "reward": "reward",
@@ -1127,31 +1124,14 @@ def train(args: Args) -> dict:
             positions = [step * args.prompts_per_step + i for i in range(rank, args.prompts_per_step, world_size)]
             chosen, generators = draw_prompts(args.seed, positions, len(train_rows), device)
             group_prompts = [train_prompts[i] for i in chosen for _ in range(args.group_size)]
-            prompt_ids, prompt_mask = left_pad(group_prompts, tokenizer.pad_token_id, device)  # [B, P]
-            model.eval()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                sampled = generate(
-                    model,
-                    prompt_ids,
-                    prompt_mask,
-                    max_new_tokens=args.max_new_tokens,
-                    eos_ids=eos_ids,
-                    pad_id=tokenizer.pad_token_id,
-                    temperature=args.temperature,
-                    top_p=args.top_p,
-                    top_k=args.top_k,
-                    generators=generators,
-                    group_size=args.group_size,
-                    stop_together=args.fsdp,
-                    vocab_size=vocab_size,
-                )
-            model.train()
-            rollout = Rollout(prompt_ids, prompt_mask, *sampled)
-            completion_mask = rollout.completion_mask
+            batch = rollout(
+                model, tokenizer, eos_ids, vocab_size, group_prompts, args, device, bf16, generators, args.group_size
+            )
+            completion_mask = batch.completion_mask
             generated_at = clock(cuda)
 
             # 2. rewards, on the text before EOS
-            completions = decode_completions(tokenizer, rollout.completion_ids.cpu(), completion_mask.cpu(), eos_ids)
+            completions = decode_completions(tokenizer, batch, eos_ids)
             sample_rows = [train_rows[i] for i in chosen for _ in range(args.group_size)]
             prompts = [row["prompt"] for row in sample_rows]
             answers = [row["answer"] for row in sample_rows]
@@ -1167,7 +1147,7 @@ def train(args: Args) -> dict:
                 scores = torch.cat(parts, 1)  # [1 + R, W*B], rank after rank
             all_advantages = group_advantages(scores[0], args.group_size, args.scale_rewards)  # [W*B]
             advantages = all_advantages[rank * local_rows : (rank + 1) * local_rows]  # [B]
-            truncated = ~torch.isin(rollout.completion_ids, eos_tensor).any(1)  # [B]: cut at --max-new-tokens
+            truncated = ~torch.isin(batch.completion_ids, eos_tensor).any(1)  # [B]: cut at --max-new-tokens
             loss_mask = completion_mask
             if args.mask_truncated_completions:
                 loss_mask = completion_mask * ~truncated[:, None]
@@ -1176,17 +1156,17 @@ def train(args: Args) -> dict:
             # and the rollout policy's ("old"), which the ratio r = pi / pi_old divides by. Minibatch 0 is trained on
             # before any update moves the policy, so its old log-probs are those of its first training forward (step
             # 5); minibatches 1+ are scored here, by the policy that sampled them.
-            plans = [micro_batches(rollout, mb, micro_batch_size, args.group_size, share_prompts) for mb in minibatches]
+            plans = [micro_batches(batch, mb, micro_batch_size, args.group_size, share_prompts) for mb in minibatches]
             every_micro_batch = [micro for plan in plans for micro in plan]
             later_micro_batches = [micro for plan in plans[1:] for micro in plan]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                ref_logp = torch.zeros_like(rollout.sampler_logp)  # unused at --kl-coef 0
+                ref_logp = torch.zeros_like(batch.sampler_logp)  # unused at --kl-coef 0
                 if args.kl_coef and args.lora_r:
                     with model.disable_adapter():  # the base model without its adapter is the initial policy
-                        ref_logp = fixed_logprobs(model, rollout, every_micro_batch, args.temperature, vocab_size)
+                        ref_logp = fixed_logprobs(model, batch, every_micro_batch, args.temperature, vocab_size)
                 elif args.kl_coef:
-                    ref_logp = fixed_logprobs(reference, rollout, every_micro_batch, args.temperature, vocab_size)
-                old_logp = fixed_logprobs(model, rollout, later_micro_batches, args.temperature, vocab_size)
+                    ref_logp = fixed_logprobs(reference, batch, every_micro_batch, args.temperature, vocab_size)
+                old_logp = fixed_logprobs(model, batch, later_micro_batches, args.temperature, vocab_size)
             referenced_at = clock(cuda)
 
             # 5. update: num_iterations passes over the batch, each num_minibatches optimiser steps (PPO's epochs and
@@ -1266,11 +1246,11 @@ def train(args: Args) -> dict:
             metrics["frac_zero_std_groups"] = (all_advantages.view(-1, args.group_size) == 0).all(1).float().mean()
             metrics.update(update_stats(logged, args.num_minibatches, device))
             metrics["grad_norm"] = np.mean(grad_norms[-args.num_minibatches :])
-            gap = (old_logp - rollout.sampler_logp).abs() * completion_mask  # trainer vs sampler: same weights, tokens
+            gap = (old_logp - batch.sampler_logp).abs() * completion_mask  # trainer vs sampler: same weights, tokens
             counts = {
                 "generated": completion_mask.sum(),
                 "truncated": truncated.sum(),
-                "prompt_tokens": prompt_mask.sum(),
+                "prompt_tokens": batch.prompt_mask.sum(),
                 "gap": gap.sum(),
                 "stop": len(stop_signals),
             }
