@@ -1,17 +1,14 @@
 """Logging and seeding shared by grpo.py and prm.py, and nothing else.
 
-`RunLogger` writes one console line per step, one JSON object per step to `metrics.jsonl`, and, with
-`track=True`, the same metrics to Weights & Biases (imported lazily, never required; `WANDB_MODE=offline`
-works). Only the rank-0 process should log: pass `enabled=False` elsewhere. The files are strict JSON: a
-non-finite value (a NaN loss, an MFU with no known peak) is written as null, which every JSON reader accepts
-(`NaN` is not JSON: jq and JavaScript reject it); the console and wandb show it as nan.
+`RunLogger` writes a console line and a `metrics.jsonl` row per step, and with `track=True` the same to Weights & Biases
+(imported lazily, never required; `WANDB_MODE=offline` works). Only rank 0 logs: pass `enabled=False` elsewhere. The
+files are strict JSON: a non-finite value is written as null (`NaN` is not JSON); the console and wandb show nan.
 """
 
 import json
 import math
 import os
 import random
-import secrets
 import sys
 
 import numpy as np
@@ -50,14 +47,13 @@ class RunLogger:
         console_keys: dict[str, str],
         track: bool = False,
         wandb_project: str = "grpo",
-        run_name: str = "run",
         enabled: bool = True,
         append: bool = False,
     ):
-        """console_keys maps a metric name to the short label printed for it on the console line.
-        append=True keeps an existing metrics.jsonl (a resumed run's)."""
+        """console_keys: {metric name: its label on the console line}; append: keep metrics.jsonl (a resumed run's)."""
         self.enabled = enabled
         self.console_keys = console_keys
+        self.run_dir = run_dir
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb_run = None
         if not enabled:
@@ -67,7 +63,7 @@ class RunLogger:
             with open(self.metrics_path, "w"):
                 pass
         if track:
-            self.wandb_run = start_wandb(config, wandb_project, run_name)
+            self.wandb_run = start_wandb(config, wandb_project, os.path.basename(os.path.abspath(run_dir)))
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -85,7 +81,20 @@ class RunLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(row, step=step)
 
-    def summary(self, summary: dict, run_dir: str) -> None:
+    def log_rows(self, step: int, name: str, rows: list[dict]) -> None:
+        """Append rows (a step's samples, say) to NAME.jsonl in the run directory, and log them as a wandb Table."""
+        if not self.enabled:
+            return
+        with open(os.path.join(self.run_dir, f"{name}.jsonl"), "a") as f:
+            for row in rows:
+                f.write(json.dumps(finite_or_null({"step": step, **row}), allow_nan=False) + "\n")
+        if self.wandb_run is not None:
+            import wandb
+
+            columns = list(rows[0])
+            self.wandb_run.log({name: wandb.Table(columns, [[row[c] for c in columns] for row in rows])}, step=step)
+
+    def summary(self, summary: dict) -> None:
         """Print the summary as a table, write summary.json, and send it to wandb's run summary."""
         if not self.enabled:
             return
@@ -94,7 +103,7 @@ class RunLogger:
         print0("=" * 20 + " summary " + "=" * 20)
         for key, value in summary.items():
             print0(f"{key:<{width}}  {format_value(value)}")
-        path = os.path.join(run_dir, "summary.json")
+        path = os.path.join(self.run_dir, "summary.json")
         with open(path + ".tmp", "w") as f:  # then renamed: a resume takes summary.json as the mark of a finished run
             json.dump(finite_or_null(summary), f, indent=2, allow_nan=False)
         os.replace(path + ".tmp", path)
@@ -104,7 +113,6 @@ class RunLogger:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
-            self.wandb_run = None
 
 
 def to_python(value):
@@ -129,14 +137,10 @@ def start_wandb(config: dict, project: str, run_name: str):
     try:
         import wandb
     except ImportError:
-        print0(
-            "WARNING: --track given but wandb is not installed (pip install wandb); continuing without it.",
-            file=sys.stderr,
-        )
+        print0("WARNING: --track: wandb is not installed (pip install wandb); continuing without it", file=sys.stderr)
         return None
-    group = f"{run_name}-{secrets.token_hex(3)}"  # a group of its own: two launches in one second stay apart
-    try:
-        return wandb.init(project=project, group=group, name=run_name, config=config, save_code=True)
+    try:  # a resumed run's launches share its group
+        return wandb.init(project=project, group=run_name, name=run_name, config=config, save_code=True)
     except Exception as error:  # network, auth or config errors: wandb raises many kinds
         print0(
             f"WARNING: wandb could not start ({type(error).__name__}: {error}); continuing without it. "

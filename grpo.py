@@ -51,7 +51,8 @@ class Args:
     # Experiment
     seed: int = 1  # seed of the experiment: model init, prompt order and sampling all follow from it
     output_dir: str | None = None  # metrics, checkpoints and final/ go here; None = runs/grpo__{seed}__{unix time}
-    track: bool = False  # log to Weights & Biases, project grpo (WANDB_MODE=offline works)
+    track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works; WANDB_ENTITY picks the team)
+    wandb_project_name: str = "grpo"  # the Weights & Biases project of --track
     # Model and data
     model: str = "tiny"  # `tiny` (a small random-init Llama built here) or a hub id / local path of a causal LM
     data_path: str | None = None  # JSONL prompts, one {"prompt": str, "answer": str} a line; None = built-in task
@@ -73,7 +74,8 @@ class Args:
     # Rewards
     answer_reward_weight: float = 1.0  # weight of the answer reward (1 when the final answer equals the reference)
     format_reward_weight: float = 0.1  # weight of the format reward (1 when the answer is stated cleanly)
-    prm_path: str | None = None  # a PRM saved by prm.py: its aggregated step scores are added to the reward
+    prm_path: str | None = None  # a PRM saved by prm.py: its aggregated step scores join the reward
+    prm_reward_weight: float = 1.0  # weight of the PRM reward (its aggregated step scores)
     prm_aggregate: Literal["min", "prod", "last", "mean"] = "min"  # how step scores make one PRM reward
     # Loss
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # how token losses are aggregated (see grpo_loss)
@@ -88,14 +90,23 @@ class Args:
     mask_truncated_completions: bool = False  # leave completions cut at --max-new-tokens out of the loss (DAPO)
     # Optimisation
     learning_rate: float = 3e-4  # AdamW learning rate (about 1e-6 for full fine-tuning of real models, 1e-5 for LoRA)
+    warmup_steps: int = 0  # linear learning-rate warm-up over this many steps
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up; cosine decays to 0 at --total-steps
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     num_iterations: int = 1  # passes over each rollout batch (PPO's epochs), ratios against the rollout policy
     num_minibatches: int = 1  # optimiser updates per pass, each on an equal share of the batch's groups
     micro_batch_size: int = 0  # completions per forward/backward pass (gradient accumulation); 0 = a whole minibatch
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     max_bad_steps: int = 3  # stop after this many updates in a row with a non-finite loss (each one is skipped)
-    # Evaluation, checkpoints, system
+    # Evaluation, logging, checkpoints, system
     eval_every: int = 50  # greedy held-out accuracy every this many steps (0 = at the start and the end only)
-    save_every: int = 0  # write checkpoint-STEP/ every this many steps (0 = only when stopped by a signal)
+    eval_batch_size: int = 64  # held-out prompts per generation batch
+    num_eval_rows: int = 500  # at most this many held-out prompts are evaluated
+    log_completions_every: int | None = (
+        None  # a few of the step's completions to completions.jsonl; None = --eval-every
+    )
+    save_every: int = 0  # checkpoint-STEP/ every this many steps and at the end (0 = only when stopped by a signal)
+    keep_checkpoints: int = 2  # the newest checkpoints kept (0 = all)
     resume_from: str | None = None  # a checkpoint-STEP directory, or `latest` in --output-dir, to continue from
     overwrite: bool = False  # replace a run already in --output-dir
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, more compute)
@@ -432,7 +443,7 @@ def make_reward_fns(args: Args, device) -> list[tuple]:
                 rewards.append(prm.aggregate_scores(scores + unjudged, args.prm_aggregate))
             return rewards
 
-        fns.append(("prm", prm_reward, 1.0))
+        fns.append(("prm", prm_reward, args.prm_reward_weight))
     return fns
 
 
@@ -442,7 +453,8 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
     from tokenizers import Tokenizer, decoders, models, processors
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
+    local = os.path.exists(os.path.expanduser(name))
+    if not local and (name.startswith(("/", ".", "~")) or name.count("/") > 1):  # a path, not a hub id ORG/NAME
         raise UserError(f"--model {name} does not exist")
     torch.manual_seed(seed)
     if name == "tiny":
@@ -474,7 +486,10 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
             tokenizer = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
         except (OSError, ValueError) as error:
-            raise UserError(f"could not load --model {name}: {str(error).strip().splitlines()[0]}") from None
+            reason = str(error).strip().splitlines()[0]
+            raise UserError(
+                f"could not load --model {name}: {reason} (offline? HF_HUB_OFFLINE=1 skips the retries)"
+            ) from None
     for weight in model.parameters():  # not model.to(dtype), which would round the rotary frequencies too
         weight.data = weight.data.to(dtype)
     for module in model.modules():  # dropout would make the trainer's log-probs differ from the sampler's
@@ -841,19 +856,34 @@ def draw_prompts(seed: int, positions: list[int], num_rows: int, device) -> tupl
     return rows, generators
 
 
+def get_lr(step: int, args: Args) -> float:
+    """The learning rate of step `step` (from 0), as nanoGPT's get_lr: a linear warm-up, then constant or a cosine
+    decay to 0 at --total-steps."""
+    if step < args.warmup_steps:
+        return args.learning_rate * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return args.learning_rate
+    progress = (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps)
+    return args.learning_rate * (1 + math.cos(math.pi * progress)) / 2
+
+
 @torch.no_grad()
-def evaluate(model, tokenizer, eos_ids, vocab_size, prompts, rows, args: Args, device, bf16, batch_size: int) -> float:
-    """Greedy accuracy (the answer reward) on the held-out prompts; every process evaluates them all."""
+def evaluate(model, tokenizer, eos_ids, vocab_size, prompts, rows, args: Args, device, bf16) -> tuple[float, str]:
+    """Greedy accuracy (the answer reward) on the held-out prompts, every process evaluating them all; and the first
+    prompt's completion, as a sample of what the model writes."""
     if not rows:
-        return float("nan")
+        return float("nan"), ""
     correct = 0.0
+    batch_size = args.eval_batch_size
     for start in range(0, len(rows), batch_size):
         chunk = prompts[start : start + batch_size]
         completed = rollout(model, tokenizer, eos_ids, vocab_size, chunk, args, device, bf16)
         texts = decode_completions(tokenizer, completed, eos_ids)
+        if start == 0:
+            sample = f"held-out sample: {rows[0]['prompt']!r} -> {texts[0]!r} (reference {rows[0]['answer']!r})"
         for text, row in zip(texts, rows[start : start + batch_size]):
             correct += answer_reward(text, row["answer"])
-    return correct / len(rows)
+    return correct / len(rows), sample
 
 
 # dense bf16 TFLOP/s by GPU name, for MFU (the more specific names first)
@@ -869,11 +899,13 @@ CONSOLE = {
     "eval_accuracy": "eval_acc",
     "step_time_s": "dt",
 }
-# what a checkpoint must share with the run that resumes from it
-RUN_DEFINING = (
-    "model data_path lora_r lora_alpha lora_target_modules chat_template system_prompt prompts_per_step group_size"
-    " loss_type kl_coef learning_rate num_iterations num_minibatches seed"
+# the flags a resumed run may change; every other flag defines the run and must be its checkpoint's
+MAY_CHANGE_ON_RESUME = (
+    "total_steps eval_every eval_batch_size num_eval_rows eval_data_path log_completions_every save_every"
+    " keep_checkpoints resume_from output_dir overwrite track wandb_project_name micro_batch_size"
+    " gradient_checkpointing max_bad_steps"
 ).split()
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "summary.json")  # besides final/ and checkpoint-STEP/
 
 
 def all_sum(values: dict, device) -> dict:
@@ -907,6 +939,38 @@ def update_stats(logged: list[dict], num_minibatches: int, device) -> dict:
     for key, value in sums.items():
         means[key] = value / tokens
     return means
+
+
+STUCK_STEPS = 5  # steps in a row of a problem that stops learning before it is warned about
+
+
+def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: Args, is_main: bool) -> None:
+    """Warn once about each problem that keeps a run from learning, when a step shows it STUCK_STEPS times in a row."""
+    problems = {
+        f"most completions were cut at --max-new-tokens {args.max_new_tokens}, none with a right answer: raise it": (
+            metrics["truncated_frac"] > 0.5 and truncated_correct == 0
+        ),
+        "every group's completions got equal rewards: zero advantages, nothing to learn (see completions.jsonl)": (
+            metrics["frac_zero_std_groups"] == 1.0
+        ),
+    }
+    for message, happening in problems.items():
+        streaks[message] = streaks.get(message, 0) + 1 if happening else 0
+        if streaks[message] == STUCK_STEPS:
+            print0(f"warning: {STUCK_STEPS} steps in a row: {message}", file=sys.stderr, enabled=is_main)
+            streaks[message] = -math.inf  # once: the streak never reaches STUCK_STEPS again
+
+
+def completion_rows(prompts, completions, reward, rewards: dict, advantages, group_size: int) -> list[dict]:
+    """The first completion of each group (8 at most): prompt, text, rewards and advantage, for completions.jsonl."""
+    rows = []
+    for i in range(0, len(completions), group_size)[:8]:
+        row = {"prompt": prompts[i], "completion": completions[i], "reward": reward[i].item()}
+        for name, values in rewards.items():
+            row[f"reward_{name}"] = values[i].item()
+        row["advantage"] = advantages[i].item()
+        rows.append(row)
+    return rows
 
 
 def benchmark_summary(history: list[dict], cuda: bool) -> dict:
@@ -952,8 +1016,15 @@ def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: dic
     os.replace(temporary, path)
 
 
-def prepare_output_dir(args: Args, device) -> tuple[str, str | None]:
-    """(output directory, checkpoint to resume from or None), the checkpoint's run-defining flags checked."""
+def checkpoint_steps(output_dir: str) -> list[int]:
+    """The steps of output_dir's checkpoints, oldest first (not checkpoint-STEP.tmp: a save cut short)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(int(name[11:]) for name in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", name))
+
+
+def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None]:
+    """(output directory, checkpoint to resume from or None, the summary of a resumed run that is already finished)."""
     stamp = torch.tensor([time.time()], dtype=torch.float64, device=device)
     if dist.is_initialized():  # rank 0's clock: one run name everywhere
         dist.broadcast(stamp, src=0)
@@ -962,52 +1033,69 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None]:
         output_dir = os.path.dirname(os.path.abspath(args.resume_from))
     if output_dir is None:
         output_dir = os.path.join("runs", f"grpo__{args.seed}__{int(stamp.item())}")
-    names = []
-    if os.path.isdir(output_dir):
-        names = os.listdir(output_dir)
-    steps = sorted(int(name[11:]) for name in names if re.fullmatch(r"checkpoint-\d+", name))
+    steps = checkpoint_steps(output_dir)
+    if args.resume_from is None:  # a new run; a directory with no checkpoint and no final model holds none
+        if (steps or os.path.isdir(os.path.join(output_dir, "final"))) and not args.overwrite:
+            raise UserError(
+                f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it, "
+                "or pass another --output-dir"
+            )
+        if int(os.environ.get("RANK", 0)) == 0:
+            for name in ["final", *[f"checkpoint-{step}" for step in steps]]:
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+            for name in RUN_FILES:
+                if os.path.isfile(os.path.join(output_dir, name)):
+                    os.remove(os.path.join(output_dir, name))
+        return output_dir, None, None
     resume = args.resume_from
-    if resume == "latest":
-        resume = os.path.join(output_dir, f"checkpoint-{(steps or [0])[-1]}")
-    if resume is not None:
+    if resume == "latest" and steps:
+        resume = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
+    if resume != "latest":
         if not os.path.isfile(os.path.join(resume, "trainer_state.pt")):
-            raise UserError(f"--resume-from {args.resume_from}: no checkpoint of grpo.py at {resume}")
+            raise UserError(f"--resume-from {resume}: not a checkpoint of grpo.py")
         with open(os.path.join(resume, "args.json")) as f:
             saved = json.load(f)
         differ = []
-        for key in RUN_DEFINING:
-            if saved[key] != getattr(args, key):
-                differ.append(f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here")
+        for key, value in asdict(args).items():
+            if key not in MAY_CHANGE_ON_RESUME and saved[key] != value:
+                differ.append(f"--{key.replace('_', '-')} {saved[key]!r} there, {value!r} here")
         if differ:
             raise UserError(f"--resume-from {resume}: the checkpoint's run differs ({'; '.join(differ)})")
-    elif "metrics.jsonl" in names or steps:
-        if not args.overwrite:
-            raise UserError(
-                f"{output_dir} already holds a run: pass --resume-from latest to continue it, "
-                "--overwrite to replace it, or another --output-dir"
-            )
-        for name in ["final", *[f"checkpoint-{step}" for step in steps]]:
-            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-    return output_dir, resume
+    summary_path = os.path.join(output_dir, "summary.json")
+    if os.path.isfile(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+        if summary["steps"] >= args.total_steps:
+            return output_dir, None, summary
+    if resume == "latest":
+        raise UserError(
+            f"--resume-from latest: {output_dir} holds no checkpoint (runs write them with --save-every N, and when "
+            "stopped by a signal); --overwrite starts it anew"
+        )
+    return output_dir, resume, None
 
 
 def restore(path: str, output_dir: str, model, optimizer, args: Args) -> tuple[int, float, int]:
-    """The optimiser state of a checkpoint, metrics.jsonl cut back to its step; (step, first eval, skipped updates)."""
+    """The optimiser state of a checkpoint, the logs cut back to its step; (step, first eval, skipped updates)."""
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     options = dcp.StateDictOptions(full_state_dict=args.fsdp)  # FSDP: each shard takes its part
     dcp.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     torch.set_rng_state(state["rng"])
-    metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(metrics_path):  # later rows: of a run being redone
-        with open(metrics_path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
+    for name in ("metrics.jsonl", "completions.jsonl"):  # rows after the checkpoint's step: of steps to be redone
+        path = os.path.join(output_dir, name)
+        if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(path):
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
+            with open(path, "w") as f:
+                f.writelines(kept)
     return state["step"], state["eval_accuracy_start"], state["skipped"]
 
 
 def check_args(args: Args, world_size: int) -> None:
     """The flag values users get wrong, before anything is loaded."""
+    for name in ("prompts_per_step", "max_new_tokens", "num_iterations", "num_minibatches", "eval_batch_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     local_rows = args.prompts_per_step // world_size * args.group_size // args.num_minibatches
     micro_ok = args.micro_batch_size == 0 or (args.micro_batch_size > 0 and local_rows % args.micro_batch_size == 0)
     checks = [
@@ -1050,7 +1138,14 @@ def train(args: Args) -> dict:
     dtype = torch.float32
     if bf16:
         dtype = torch.bfloat16  # the compute dtype, under autocast; trained weights stay fp32
-    output_dir, resume_path = prepare_output_dir(args, device)
+    output_dir, resume_path, finished = prepare_output_dir(args, device)
+    if finished is not None:
+        message = f"{output_dir}: the run finished at step {finished['steps']} (a larger --total-steps extends it)"
+        print0(message, enabled=is_main)
+        if distributed:
+            dist.destroy_process_group()
+        return finished
+    print0(f"output directory: {output_dir}", enabled=is_main)
 
     # ---- Data, policy, reference policy, rewards, optimiser
     if args.data_path is None:
@@ -1060,15 +1155,22 @@ def train(args: Args) -> dict:
         eval_rows = []
     if args.eval_data_path:
         eval_rows = load_jsonl(args.eval_data_path)
+    eval_rows = eval_rows[: args.num_eval_rows]
     seed_everything(args.seed)
     model, tokenizer, reference, eos_ids = build_policy(args, dtype, resume_path, device)
     eos_tensor = torch.tensor(eos_ids, device=device)
     vocab_size = max(len(tokenizer), max(eos_ids) + 1)  # sample the tokenizer's ids, not padded embedding rows
     train_prompts = encode_prompts(tokenizer, train_rows, args)
     eval_prompts = encode_prompts(tokenizer, eval_rows, args)
+    unknown = sum(tokenizer.unk_token_id in ids for ids in train_prompts)
+    if unknown:  # the model cannot read those characters: a sure way to learn nothing
+        message = f"{unknown} of {len(train_prompts)} training prompts hold the unknown token {tokenizer.unk_token}"
+        print0(f"warning: {message}: this tokenizer cannot spell them", file=sys.stderr, enabled=is_main)
     reward_fns = make_reward_fns(args, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
+    optimizer = torch.optim.AdamW(
+        trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=True
+    )
     start_step = 0
     eval_accuracy = math.nan
     skipped_updates = 0
@@ -1081,8 +1183,7 @@ def train(args: Args) -> dict:
         asdict(args),
         console_keys=CONSOLE,
         track=args.track,
-        wandb_project="grpo",
-        run_name=os.path.basename(output_dir),
+        wandb_project=args.wandb_project_name,
         enabled=is_main,
         append=resume_path is not None,
     )
@@ -1101,13 +1202,21 @@ def train(args: Args) -> dict:
     peak_tflops = 0.0
     if cuda:
         peak_tflops = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), 0)
+    completions_every = args.log_completions_every
+    if completions_every is None:
+        completions_every = args.eval_every
+
+    def evaluate_held_out() -> float:  # and print a sample of what the model writes
+        accuracy, sample = evaluate(model, tokenizer, eos_ids, vocab_size, eval_prompts, eval_rows, args, device, bf16)
+        print0(sample, enabled=is_main and bool(eval_rows))
+        return accuracy
+
     if not resume_path and eval_rows:
-        eval_accuracy = evaluate(
-            model, tokenizer, eos_ids, vocab_size, eval_prompts, eval_rows, args, device, bf16, local_rows
-        )
+        eval_accuracy = evaluate_held_out()
         logger.log(0, {"eval_accuracy": eval_accuracy})
     eval_accuracy_start = eval_accuracy
     bad_updates = 0
+    streaks = {}  # steps in a row with a problem that stops learning
     history = []
     stopped = False
     stop_signals = []
@@ -1171,6 +1280,8 @@ def train(args: Args) -> dict:
 
             # 5. update: num_iterations passes over the batch, each num_minibatches optimiser steps (PPO's epochs and
             # minibatches); a minibatch's micro-batches accumulate their gradients
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(step, args)
             minibatch_tokens = all_sum(
                 {j: loss_mask[mb.start : mb.stop].sum() for j, mb in enumerate(minibatches)}, device
             )
@@ -1246,10 +1357,12 @@ def train(args: Args) -> dict:
             metrics["frac_zero_std_groups"] = (all_advantages.view(-1, args.group_size) == 0).all(1).float().mean()
             metrics.update(update_stats(logged, args.num_minibatches, device))
             metrics["grad_norm"] = np.mean(grad_norms[-args.num_minibatches :])
+            metrics["learning_rate"] = get_lr(step, args)
             gap = (old_logp - batch.sampler_logp).abs() * completion_mask  # trainer vs sampler: same weights, tokens
             counts = {
                 "generated": completion_mask.sum(),
                 "truncated": truncated.sum(),
+                "truncated_correct": (truncated.cpu() & (rewards["answer"] > 0)).sum(),
                 "prompt_tokens": batch.prompt_mask.sum(),
                 "gap": gap.sum(),
                 "stop": len(stop_signals),
@@ -1271,14 +1384,17 @@ def train(args: Args) -> dict:
                 flops = 2 * num_params * passes * (counts["prompt_tokens"] + counts["generated"])
                 metrics["mfu"] = flops / world_size / metrics["step_time_s"] / (peak_tflops * 1e12)
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
-                eval_accuracy = evaluate(
-                    model, tokenizer, eos_ids, vocab_size, eval_prompts, eval_rows, args, device, bf16, local_rows
-                )
+                eval_accuracy = evaluate_held_out()
                 metrics["eval_accuracy"] = eval_accuracy
             logger.log(step + 1, metrics)
             history.append(metrics)
+            if completions_every and (step + 1) % completions_every == 0:
+                rows = completion_rows(prompts, completions, reward, rewards, advantages, args.group_size)
+                logger.log_rows(step + 1, "completions", rows)
+            warn_if_stuck(metrics, counts["truncated_correct"], streaks, args, is_main)
             stopped = counts["stop"] > 0  # a signal to any process stops every process after the same step
-            if (args.save_every and (step + 1) % args.save_every == 0) or stopped:
+            save_step = args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.total_steps)
+            if save_step or stopped:
                 state = {
                     "step": step + 1,
                     "eval_accuracy_start": eval_accuracy_start,
@@ -1286,6 +1402,9 @@ def train(args: Args) -> dict:
                     "rng": torch.get_rng_state(),
                 }
                 save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), model, tokenizer, args, optimizer, state)
+                if is_main and args.keep_checkpoints:
+                    for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints]:
+                        shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
             if stopped:
                 print0(
                     f"stopped by a signal: checkpoint-{step + 1} saved; continue with the same command and "
@@ -1300,9 +1419,7 @@ def train(args: Args) -> dict:
     # ---- Final model, evaluation and benchmark summary
     if not stopped:
         save_run(os.path.join(output_dir, "final"), model, tokenizer, args)
-        eval_accuracy = evaluate(
-            model, tokenizer, eos_ids, vocab_size, eval_prompts, eval_rows, args, device, bf16, local_rows
-        )
+        eval_accuracy = evaluate_held_out()
         if eval_rows:
             logger.log(start_step + len(history), {"eval_accuracy": eval_accuracy})
     summary = {
@@ -1319,7 +1436,7 @@ def train(args: Args) -> dict:
     if stopped:
         summary["stop_signal"] = signal.Signals(stop_signals[0]).name
     else:
-        logger.summary(summary, output_dir)
+        logger.summary(summary)
     logger.close()
     if distributed:
         dist.barrier()  # rank 0 may still be writing
@@ -1330,10 +1447,14 @@ def train(args: Args) -> dict:
 def main() -> None:
     try:
         summary = train(tyro.cli(Args))
+    except KeyboardInterrupt:  # before training starts (then a signal ends the step and saves): nothing to save yet
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except Exception as error:  # a UserError of this file or of prm.py (the PRM reward)
         if type(error).__name__ != "UserError":
             raise
-        print(f"error: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every process meets the error: one message
+            print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     if summary["stop_signal"]:  # checkpointed, not finished: a scheduler must not take it for done
         sys.exit(128 + signal.Signals[summary["stop_signal"]])

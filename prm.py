@@ -722,7 +722,6 @@ def train(args: Args) -> dict:
         console_keys=console,
         track=args.track,
         enabled=rank == 0,
-        run_name=os.path.basename(output_dir),
         wandb_project=args.wandb_project_name,
         append=bool(resume_path),
     )
@@ -858,7 +857,7 @@ def train(args: Args) -> dict:
             else float("nan")
         )
         summary["mfu"] = (6 if args.lora_r == 0 else 4) * body * tokens_per_s / world / (peak * 1e12)
-    logger.summary(summary, output_dir)
+    logger.summary(summary)
     logger.close()
     dist.destroy_process_group() if distributed else None
     return summary

@@ -32,9 +32,7 @@ def test_non_finite_values_are_written_as_null_and_shown_as_nan(tmp_path, capsys
         },
     )
     logger.log(2, {"loss": torch.tensor(0.25), "kl_mean": 0.0, "entropy": 1.5, "reward": 1.0, "count": 4})
-    logger.summary(
-        {"mfu": float("nan"), "steps": 2, "per_fn": {"answer": float("nan"), "format": [1.0, math.inf]}}, str(tmp_path)
-    )
+    logger.summary({"mfu": float("nan"), "steps": 2, "per_fn": {"answer": float("nan"), "format": [1.0, math.inf]}})
     logger.close()
     rows = [strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows == [
@@ -52,7 +50,7 @@ def test_a_summary_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """A resume takes summary.json as the mark of a finished run: a write cut short must not leave a partial one
     under that name (the old one, or none, stays), nor a temporary file that a later summary cannot replace."""
     logger = RunLogger(str(tmp_path), {}, console_keys={})
-    logger.summary({"steps": 1}, str(tmp_path))
+    logger.summary({"steps": 1})
     real_dump = json.dump
 
     def dump_then_fail(value, f, **kwargs):
@@ -61,10 +59,10 @@ def test_a_summary_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
     monkeypatch.setattr(json, "dump", dump_then_fail)
     with pytest.raises(OSError, match="disk full"):
-        logger.summary({"steps": 2}, str(tmp_path))
+        logger.summary({"steps": 2})
     monkeypatch.setattr(json, "dump", real_dump)
     assert strict_json((tmp_path / "summary.json").read_text()) == {"steps": 1}
-    logger.summary({"steps": 3}, str(tmp_path))
+    logger.summary({"steps": 3})
     logger.close()
     assert strict_json((tmp_path / "summary.json").read_text()) == {"steps": 3}
     assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl", "summary.json"]

@@ -257,8 +257,9 @@ def test_mask_truncated_completions(tmp_path, base_run, max_new_tokens):
 def test_resume_is_exact(tmp_path, saved_runs, kind):
     out = tmp_path / "run"
     shutil.copytree(saved_runs(kind), out)
-    for name in ("checkpoint-4", "final"):
+    for name in ("checkpoint-4", "final"):  # as a crash after step 2 leaves it
         shutil.rmtree(out / name)
+    (out / "summary.json").unlink()
     run(out, *RESUME_FLAGS[kind], "--resume-from", "latest")
     assert_same_rows(steps(saved_runs(kind)), steps(out), tol=0)
     assert_same_weights(saved_runs(kind) / "final", out / "final", tol=0)
@@ -336,11 +337,14 @@ def tiny_prm(tmp_path_factory):
     return out / "final"
 
 
-@pytest.mark.parametrize("aggregate", ["prod", "last"])  # completions here are one step: the others alike
-def test_prm_reward(tmp_path, tiny_prm, aggregate):
-    run(tmp_path / "run", "--prm-path", str(tiny_prm), "--prm-aggregate", aggregate, "--total-steps", "1")
+@pytest.mark.parametrize("aggregate, weight", [("prod", "1"), ("last", "0")])  # one-step completions: all alike
+def test_prm_reward(tmp_path, tiny_prm, aggregate, weight):
+    flags = ["--prm-path", str(tiny_prm), "--prm-aggregate", aggregate, "--prm-reward-weight", weight]
+    run(tmp_path / "run", *flags, "--total-steps", "1")
     (row,) = steps(tmp_path / "run")
     assert 0 <= row["reward_prm"] <= 1
+    answer_and_format = row["reward_answer"] + 0.1 * row["reward_format"]
+    assert row["reward"] == pytest.approx(answer_and_format + float(weight) * row["reward_prm"], abs=1e-6)
 
 
 def test_torchrun_matches_one_process(tmp_path, saved_runs):
@@ -371,7 +375,11 @@ BAD_INPUTS = [  # (case, flags (DATA: a file of BAD_ROWS[case]; RUN: a directory
     ("empty", ["--data-path", "DATA"], "no rows"),
     ("long_prompt", ["--max-prompt-length", "5"], "--max-prompt-length 5"),
     ("model", ["--model", "./does/not/exist"], "./does/not/exist"),
+    ("model_no_dot", ["--model", "runs/no/such"], "--model runs/no/such does not exist"),
     ("run_exists", ["--output-dir", "RUN"], "already holds a run"),
+    ("max_new_tokens", ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    ("no_minibatches", ["--num-minibatches", "0"], "--num-minibatches must be at least 1"),
+    ("no_prompts", ["--prompts-per-step", "0"], "--prompts-per-step must be at least 1"),
     ("group_size", ["--group-size", "1"], "--group-size"),
     ("clip", ["--clip-eps-low", "1.5"], "--clip-eps-low"),
     ("learning_rate", ["--learning-rate", "0"], "--learning-rate"),
@@ -389,7 +397,7 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys, monkeypatch, saved_runs
     (tmp_path / "data.jsonl").write_text(BAD_ROWS.get(case, ""))
     places = {
         "DATA": str(tmp_path / "data.jsonl"),
-        "RUN": made_dir(tmp_path / "old", "metrics.jsonl"),
+        "RUN": made_dir(tmp_path / "old", "metrics.jsonl", "checkpoint-2/args.json"),
         "SAVED": str(saved_runs("full")) if case == "resume_changed" else "",
     }
     code, err = run_script_main(grpo.main, "grpo.py", cli(tmp_path / "out", *[places.get(f, f) for f in flags]), capsys)
@@ -432,3 +440,87 @@ def test_track_writes_a_wandb_offline_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     train(tmp_path / "run", "--track", "--total-steps", "1")
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_completions_are_logged_and_a_held_out_sample_printed(tmp_path):
+    out = tmp_path / "run"
+    process = run(out, "--log-completions-every", "1", "--total-steps", "2")
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1] * 4 + [2] * 4  # the first completion of each of the 4 groups
+    keys = {"step", "prompt", "completion", "reward", "reward_answer", "reward_format", "advantage"}
+    assert all(row.keys() == keys for row in rows)
+    assert rows[0]["prompt"].endswith("%10=") and isinstance(rows[0]["completion"], str)
+    assert process.stdout.count("held-out sample: '(101+7)%10=' -> ") == 2  # at the start and the end
+    assert f"output directory: {out}" in process.stdout
+
+
+def test_warnings_name_what_keeps_a_run_from_learning(tmp_path):
+    """Letters the tiny tokenizer cannot spell, answers that need 2 tokens when 1 is allowed, no reward at all."""
+    rows = [{"prompt": f"abc {n}", "answer": str(10 + n)} for n in range(8)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--data-path", str(tmp_path / "data.jsonl"), "--max-new-tokens", "1", "--format-reward-weight", "0"]
+    stderr = run(tmp_path / "run", *flags, "--total-steps", "7").stderr
+    assert stderr.count("8 of 8 training prompts hold the unknown token <unk>") == 1
+    assert stderr.count("most completions were cut at --max-new-tokens 1, none with a right answer") == 1
+    assert stderr.count("every group's completions got equal rewards") == 1
+    quiet = run(tmp_path / "quiet", "--total-steps", "7", "--prompts-per-step", "8", "--group-size", "16").stderr
+    assert "warning" not in quiet  # the built-in task (whose answers fill --max-new-tokens 2): none of them
+
+
+def test_a_resume_may_change_only_the_runs_length_and_logging(tmp_path, saved_runs):
+    out = tmp_path / "run"
+    shutil.copytree(saved_runs("full"), out)
+    changed = run(out, *RESUME_FLAGS["full"], "--resume-from", "latest", "--learning-rate", "1e-3", rc=2).stderr
+    assert "--learning-rate 0.0003 there, 0.001 here" in changed
+    finished = run(out, *RESUME_FLAGS["full"], "--resume-from", "latest", "--eval-every", "3")  # nothing to do
+    assert "the run finished at step 4" in finished.stdout
+    assert (out / "summary.json").read_text() == (saved_runs("full") / "summary.json").read_text()
+    assert (out / "metrics.jsonl").read_text() == (saved_runs("full") / "metrics.jsonl").read_text()
+    run(out, *RESUME_FLAGS["full"], "--resume-from", "latest", "--total-steps", "6")  # extends it from checkpoint-4
+    assert [row["step"] for row in steps(out)] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_what_a_crash_leaves_does_not_block_a_new_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    (out / "completions.jsonl").write_text('{"step": 9, "prompt": "stale"}\n')
+    run(out, "--log-completions-every", "1", "--total-steps", "1")
+    assert all(json.loads(line)["step"] == 1 for line in (out / "completions.jsonl").read_text().splitlines())
+
+
+def test_learning_rate_schedule_weight_decay_and_kept_checkpoints(tmp_path, base_run):
+    flags = ["--warmup-steps", "2", "--lr-schedule", "cosine", "--total-steps", "4", "--save-every", "1"]
+    run(tmp_path / "run", *flags, "--weight-decay", "0.5")
+    lr = grpo.Args.learning_rate
+    assert [row["learning_rate"] for row in steps(tmp_path / "run")] == pytest.approx([lr / 2, lr, lr, lr / 2])
+    assert sorted(path.name for path in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    run(tmp_path / "no_decay", *flags)
+    decayed, kept = weights(tmp_path / "run" / "final"), weights(tmp_path / "no_decay" / "final")
+    assert sum(w.norm() ** 2 for w in decayed.values()) < sum(w.norm() ** 2 for w in kept.values())
+
+
+def test_ctrl_c_while_starting_is_one_line(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo, "build_policy", interrupted)
+    code, err = run_script_main(grpo.main, "grpo.py", cli(tmp_path / "run"), capsys)
+    assert code == 130 and err.strip() == "interrupted"
+
+
+def test_torchrun_error_is_one_line(tmp_path):
+    process = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "grpo.py"]
+        + cli(tmp_path / "run", "--max-new-tokens", "0"),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    output = process.stdout + process.stderr
+    assert process.returncode != 0 and output.count("error: --max-new-tokens must be at least 1") == 1, output[-3000:]
+    assert "Traceback" not in output.split("error: --max-new-tokens")[0]
