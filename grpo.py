@@ -68,6 +68,8 @@ class Args:
     prompts_per_step: int = 8  # prompts per step, over all processes
     group_size: int = 16  # completions sampled per prompt (the group its rewards are standardised in)
     max_new_tokens: int = 2  # maximum completion length in tokens
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, sample more prompts in their place (DAPO)
+    max_sampling_rounds: int = 4  # with --dynamic-sampling, rollouts a step may take; then it trains on what there is
     temperature: float = 1.0  # sampling temperature (the training log-probs use the same)
     top_p: float = 1.0  # nucleus sampling threshold; 1.0 = off
     top_k: int = 0  # sample among the k most likely tokens; 0 = off
@@ -76,6 +78,8 @@ class Args:
     format_reward_weight: float = 0.1  # weight of the format reward (1 when the answer is stated cleanly)
     prm_path: str | None = None  # a PRM saved by prm.py: its aggregated step scores join the reward
     prm_reward_weight: float = 1.0  # weight of the PRM reward (its aggregated step scores)
+    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens before --max-new-tokens
+    overlong_penalty: float = 1.0  # the penalty at --max-new-tokens, grown linearly over --overlong-buffer
     prm_aggregate: Literal["min", "prod", "last", "mean"] = "min"  # how step scores make one PRM reward
     # Loss
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # how token losses are aggregated (see grpo_loss)
@@ -86,7 +90,9 @@ class Args:
     clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
     clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO uses 0.28)
     delta: float | None = None  # upper bound on the unclipped ratio (INTELLECT-2's two-sided clipping); None = off
-    importance_sampling: Literal["token", "sequence"] = "token"  # a ratio per token, or per completion (GSPO)
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"  # PPO's surrogate, its GSPO form, or CISPO's (see grpo_loss)
+    rollout_correction: Literal["none", "token-tis", "sequence-mask"] = "none"  # for sampler/trainer mismatch
+    rollout_correction_cap: float = 2.0  # token-tis: the weight's cap; sequence-mask: the ratio's range [1/cap, cap]
     mask_truncated_completions: bool = False  # leave completions cut at --max-new-tokens out of the loss (DAPO)
     # Optimisation
     learning_rate: float = 3e-4  # AdamW learning rate (about 1e-6 for full fine-tuning of real models, 1e-5 for LoRA)
@@ -97,11 +103,11 @@ class Args:
     num_minibatches: int = 1  # optimiser updates per pass, each on an equal share of the batch's groups
     micro_batch_size: int = 0  # completions per forward/backward pass (gradient accumulation); 0 = a whole minibatch
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
-    max_bad_steps: int = 3  # stop after this many updates in a row with a non-finite loss (each one is skipped)
     # Evaluation, logging, checkpoints, system
     eval_every: int = 50  # greedy held-out accuracy every this many steps (0 = at the start and the end only)
     eval_batch_size: int = 64  # held-out prompts per generation batch
     num_eval_rows: int = 500  # at most this many held-out prompts are evaluated
+    eval_num_samples: int = 1  # 1: greedy accuracy; k > 1: k samples a prompt, for pass@1, pass@k, maj@k (and prm@k)
     log_completions_every: int | None = (
         None  # a few of the step's completions to completions.jsonl; None = --eval-every
     )
@@ -170,13 +176,17 @@ def grpo_loss(
     kl_ratio_weighted: bool = False,
     total_sequences: int | None = None,
     total_tokens: float | None = None,
+    policy_loss: str = "ppo",
+    rollout_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """PPO's clipped surrogate plus a KL penalty, per completion token, aggregated over the batch by loss_type.
 
     logp, old_logp, ref_logp, mask: [B, T], mask 1 on completion tokens (EOS included); advantages: [B].
     Per token, with r = exp(logp - old_logp):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + kl_coef KL.
     importance_sampling "sequence" (GSPO) gives every token of a row one r = exp(mean over the row of log r); delta
-    caps the unclipped r (INTELLECT-2); kl_ratio_weighted multiplies KL by the token's r.
+    caps the unclipped r (INTELLECT-2); kl_ratio_weighted multiplies KL by the token's r. policy_loss "cispo"
+    (MiniMax-M1) replaces the surrogate by -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp, which no clip silences;
+    rollout_weights [B, T] (see rollout_correction) multiply the policy term.
     With N sequences and M tokens in the batch (total_sequences and total_tokens, when this call sees a part of it):
         grpo: (1/N) sum_i (sum_t l m / sum_t m)   bnpo, dapo: sum l m / M   dr_grpo: sum l m / (N max_completion_length)
     so the losses of the parts (micro-batches, processes) sum to the batch's. Returns (loss, stats): token means over
@@ -199,12 +209,18 @@ def grpo_loss(
     else:
         raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
 
-    # the pessimistic surrogate: the smaller of the unclipped and the clipped objective, whatever the sign of A
-    unclipped = ratio
-    if delta is not None:
-        unclipped = ratio.clamp(max=delta)
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    pg_loss = -torch.min(unclipped * adv, clipped * adv)  # [B, T]
+    if policy_loss == "ppo":  # the pessimistic surrogate: the smaller of the unclipped and clipped objective, either A
+        unclipped = ratio
+        if delta is not None:
+            unclipped = ratio.clamp(max=delta)
+        pg_loss = -torch.min(unclipped * adv, clipped * adv)  # [B, T]
+    elif policy_loss == "cispo":  # the clipped ratio only weighs the log-prob's gradient: every token keeps one
+        pg_loss = -clipped.detach() * adv * torch.where(in_loss, logp, 0.0)  # [B, T]
+    else:
+        raise ValueError(f"policy_loss must be ppo or cispo, got {policy_loss!r}")
+    if rollout_weights is not None:
+        pg_loss = pg_loss * rollout_weights
 
     # the KL penalty to the reference policy
     token_loss = pg_loss
@@ -231,11 +247,7 @@ def grpo_loss(
         raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
 
     with torch.no_grad():
-        # a clip fraction counts only the tokens whose gradient the clip stops
-        clip_low = (adv < 0) & (ratio < 1.0 - clip_eps_low)
-        clip_high = (adv > 0) & (ratio > 1.0 + clip_eps_high)
-        if delta is not None:
-            clip_high = clip_high | ((adv < 0) & (ratio > delta))
+        clip_low, clip_high = clipped_tokens(ratio, adv, clip_eps_low, clip_eps_high, delta, policy_loss)
         per_token = {"ratio_mean": ratio, "clip_frac_low": clip_low, "clip_frac_high": clip_high, "pg_loss": pg_loss}
         if kl is not None:
             per_token["kl_mean"] = kl
@@ -243,6 +255,44 @@ def grpo_loss(
         stats = {name: (value * mask).sum() / tokens.clamp(min=1.0) for name, value in per_token.items()}
         stats["tokens"] = tokens
     return loss, stats
+
+
+def clipped_tokens(ratio, adv, clip_eps_low, clip_eps_high, delta, policy_loss) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens the clip acts on, below 1 - eps_low and above 1 + eps_high: for PPO, those whose gradient it stops
+    (A < 0 below, A > 0 above, A < 0 beyond delta); for CISPO, every token whose weight it caps."""
+    low = ratio < 1.0 - clip_eps_low
+    high = ratio > 1.0 + clip_eps_high
+    if policy_loss == "cispo":
+        return low, high
+    if delta is not None:
+        return (adv < 0) & low, ((adv > 0) & high) | ((adv < 0) & (ratio > delta))
+    return (adv < 0) & low, (adv > 0) & high
+
+
+def rollout_correction(old_logp, sampler_logp, mask, mode: str, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [B, T] of the policy loss that correct for the sampler's numbers differing from the trainer's on the
+    same weights and tokens (https://fengyao.notion.site/off-policy-rl), and the tokens they change [B, T].
+
+    token-tis: each token weighs pi_old / pi_sampler, capped at cap (truncated importance sampling), detached.
+    sequence-mask: a completion whose geometric-mean ratio is outside [1/cap, cap] weighs 0, the others 1.
+    """
+    in_loss = mask.bool()
+    log_ratio = torch.where(in_loss, old_logp - sampler_logp, 0.0).detach()  # [B, T]
+    if mode == "token-tis":
+        ratio = log_ratio.exp()
+        return ratio.clamp(max=cap), in_loss & (ratio > cap)
+    if mode == "sequence-mask":
+        mean_log_ratio = log_ratio.sum(1, keepdim=True) / in_loss.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+        outside = mean_log_ratio.abs() > math.log(cap)  # [B, 1]
+        return (~outside).to(old_logp.dtype).expand_as(old_logp), in_loss & outside
+    raise ValueError(f"mode must be token-tis or sequence-mask, got {mode!r}")
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment of completion lengths [B]: 0 up to max_new_tokens - buffer tokens, then falling
+    linearly to -penalty at max_new_tokens (https://arxiv.org/abs/2503.14476, eq. 13)."""
+    excess = (lengths - (max_new_tokens - buffer)).clamp(min=0)
+    return -penalty * excess.float() / buffer
 
 
 def token_logprobs(
@@ -502,9 +552,21 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
     return model, tokenizer
 
 
+@dataclass
+class Policy:
+    """The model being trained, and what sampling from it needs."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    eos_ids: list[int]  # the ids that end a completion: chat models end a turn with any of several
+    vocab_size: int  # the ids the sampler draws: the tokenizer's, not the embedding's padding rows
+    device: torch.device
+    bf16: bool  # compute under bf16 autocast (trained weights stay fp32)
+
+
 def build_policy(args: Args, dtype: torch.dtype, resume_path: str | None, device: torch.device):
-    """(policy, tokenizer, reference, stop ids) on the device. The reference, a frozen copy of the initial policy for
-    the KL, is None at --kl-coef 0 and with LoRA, whose initial policy is the model with its adapter disabled."""
+    """(policy, reference) on the device. The reference, a frozen copy of the initial model for the KL, is None at
+    --kl-coef 0 and with LoRA, whose initial model is the model with its adapter disabled."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers.utils.logging import disable_progress_bar
 
@@ -543,11 +605,10 @@ def build_policy(args: Args, dtype: torch.dtype, resume_path: str | None, device
             module.to(device)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    configured = (
-        model.generation_config.eos_token_id or []
-    )  # an id or a list: chat models end a turn with any of several
-    stop_ids = sorted({tokenizer.eos_token_id, *np.ravel(configured).tolist()})
-    return model.train(), tokenizer, reference, stop_ids
+    configured = model.generation_config.eos_token_id or []  # an id or a list of them
+    eos_ids = sorted({tokenizer.eos_token_id, *np.ravel(configured).tolist()})
+    vocab_size = max(len(tokenizer), max(eos_ids) + 1)
+    return Policy(model.train(), tokenizer, eos_ids, vocab_size, device, dtype == torch.bfloat16), reference
 
 
 def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None:
@@ -754,36 +815,36 @@ class Rollout(NamedTuple):
     sampler_logp: torch.Tensor  # [B, T], the sampler's log-probs of the tokens
 
 
-def rollout(model, tokenizer, eos_ids, vocab_size, prompts, args: Args, device, bf16, generators=None, group_size=1):
+def rollout(policy: Policy, prompts: list[list[int]], args: Args, generators=None, group_size: int = 1) -> Rollout:
     """Complete the prompts (token id lists): sampled, each group with its generator, or greedy without generators."""
-    prompt_ids, prompt_mask = left_pad(prompts, tokenizer.pad_token_id, device)  # [B, P]
-    model.eval()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+    prompt_ids, prompt_mask = left_pad(prompts, policy.tokenizer.pad_token_id, policy.device)  # [B, P]
+    policy.model.eval()
+    with torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=policy.bf16):
         completion_ids, completion_mask, sampler_logp = generate(
-            model,
+            policy.model,
             prompt_ids,
             prompt_mask,
             max_new_tokens=args.max_new_tokens,
-            eos_ids=eos_ids,
-            pad_id=tokenizer.pad_token_id,
+            eos_ids=policy.eos_ids,
+            pad_id=policy.tokenizer.pad_token_id,
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
             generators=generators,
             group_size=group_size,
             stop_together=args.fsdp,
-            vocab_size=vocab_size,
+            vocab_size=policy.vocab_size,
         )
-    model.train()
+    policy.model.train()
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp)
 
 
-def decode_completions(tokenizer, completed: Rollout, eos_ids: list[int]) -> list[str]:
+def decode_completions(policy: Policy, batch: Rollout) -> list[str]:
     """Each completion's text before the EOS that ended it, other special tokens kept (no hiding junk in them)."""
-    completion_ids = completed.completion_ids.cpu()
-    ended = torch.isin(completion_ids, torch.tensor(eos_ids)).any(1)
-    lengths = completed.completion_mask.sum(1).cpu() - ended.long()
-    return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths.tolist())])
+    completion_ids = batch.completion_ids.cpu()
+    ended = torch.isin(completion_ids, torch.tensor(policy.eos_ids)).any(1)
+    lengths = batch.completion_mask.sum(1).cpu() - ended.long()
+    return policy.tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths.tolist())])
 
 
 class MicroBatch(NamedTuple):
@@ -840,6 +901,12 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
+def seeded_generator(key: list[int], device) -> torch.Generator:
+    """A torch generator seeded by a list of integers, which numpy's SeedSequence mixes into one seed."""
+    seed = np.random.SeedSequence(key).generate_state(1)[0]
+    return torch.Generator(device).manual_seed(int(seed))
+
+
 def draw_prompts(seed: int, positions: list[int], num_rows: int, device) -> tuple[list[int], list[torch.Generator]]:
     """The training rows at these positions of the data stream, and a random generator to sample each one's group.
 
@@ -851,9 +918,111 @@ def draw_prompts(seed: int, positions: list[int], num_rows: int, device) -> tupl
     for position in positions:
         epoch, index = divmod(position, num_rows)
         rows.append(int(epoch_order(seed, epoch, num_rows)[index]))
-        key = np.random.SeedSequence([seed, position]).generate_state(1)[0]
-        generators.append(torch.Generator(device).manual_seed(int(key)))
+        generators.append(seeded_generator([seed, position], device))
     return rows, generators
+
+
+class Round(NamedTuple):
+    """Groups of completions and what they earned."""
+
+    batch: Rollout
+    rows: list[dict]  # each completion's data row
+    completions: list[str]
+    rewards: dict  # {name: [B]}, each reward
+    reward: torch.Tensor  # [B], their weighted sum
+
+
+def sample_round(policy: Policy, rows, prompts, positions: list[int], reward_fns, args: Args, timings: dict) -> Round:
+    """Steps 1 and 2 for the prompts at these positions of the data stream: group_size completions each, rewarded."""
+    cuda = policy.device.type == "cuda"
+    start = clock(cuda)
+    chosen, generators = draw_prompts(args.seed, positions, len(rows), policy.device)
+    batch = rollout(
+        policy, [prompts[i] for i in chosen for _ in range(args.group_size)], args, generators, args.group_size
+    )
+    generated = clock(cuda)
+    completions = decode_completions(policy, batch)  # rewards judge the text before EOS
+    sample_rows = [rows[i] for i in chosen for _ in range(args.group_size)]
+    prompt_texts = [row["prompt"] for row in sample_rows]
+    answers = [row["answer"] for row in sample_rows]
+    rewards = compute_rewards(prompt_texts, completions, answers, reward_fns)  # {name: [B]}
+    reward = sum(weight * rewards[name] for name, _, weight in reward_fns)  # [B]
+    if args.overlong_buffer:
+        lengths = batch.completion_mask.sum(1).cpu()
+        rewards["overlong"] = overlong_penalty(
+            lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty
+        )
+        reward = reward + rewards["overlong"]
+    timings["generation"] += generated - start
+    timings["reward"] += clock(cuda) - generated
+    return Round(batch, sample_rows, completions, rewards, reward)
+
+
+def sample_step(policy: Policy, rows, prompts, reward_fns, data_position: int, args: Args, timings: dict):
+    """Steps 1 and 2 of a training step: this process's groups of the --prompts-per-step that follow data_position in
+    the data stream. With --dynamic-sampling, a group whose rewards are all equal (no signal) is dropped and more
+    prompts sampled, in rounds every process takes together, at most --max-sampling-rounds; then groups without
+    signal fill the step. Returns the groups to train on and the sampling's counts."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    num_groups = args.prompts_per_step // world_size
+    max_rounds = 1
+    if args.dynamic_sampling:
+        max_rounds = args.max_sampling_rounds
+    rounds = []
+    signals = []  # [groups] per round: whether the group's rewards differ
+    kept = []  # (round, group) of the groups to train on
+    while True:
+        first = data_position + len(rounds) * args.prompts_per_step
+        positions = [first + i for i in range(rank, args.prompts_per_step, world_size)]
+        rounds.append(sample_round(policy, rows, prompts, positions, reward_fns, args, timings))
+        grouped = rounds[-1].reward.view(-1, args.group_size)
+        signals.append(grouped.amax(1) > grouped.amin(1))
+        for group in range(num_groups):
+            if len(kept) < num_groups and (signals[-1][group] or not args.dynamic_sampling):
+                kept.append((len(rounds) - 1, group))
+        if len(rounds) == max_rounds or all_sum({"missing": num_groups - len(kept)}, policy.device)["missing"] == 0:
+            break
+    for group in range(num_groups):  # out of rounds: the last round's groups without signal fill the step
+        if len(kept) < num_groups and not signals[-1][group]:
+            kept.append((len(rounds) - 1, group))
+    dropped = 0
+    for number, signal_of_group in enumerate(signals):
+        for group in range(num_groups):
+            dropped += int(not signal_of_group[group] and (number, group) not in kept)
+    counts = {"sampling_rounds": len(rounds), "prompts_consumed": len(rounds) * args.prompts_per_step}
+    counts["groups_dropped"] = dropped
+    return take_groups(rounds, kept, args.group_size, policy.tokenizer.pad_token_id), counts
+
+
+def pad_to(tensor: torch.Tensor, width: int, value, left: bool = False) -> torch.Tensor:
+    """tensor [B, W] padded to [B, width], on the right or the left."""
+    padding = (0, width - tensor.shape[1])
+    if left:
+        padding = (width - tensor.shape[1], 0)
+    return torch.nn.functional.pad(tensor, padding, value=value)
+
+
+def take_groups(rounds: list[Round], kept: list[tuple[int, int]], group_size: int, pad_id: int) -> Round:
+    """The kept (round, group) groups as one Round, their tensors padded to the widest."""
+    parts = [(rounds[number], slice(group * group_size, (group + 1) * group_size)) for number, group in kept]
+    prompt_width = max(part.batch.prompt_ids.shape[1] for part, _ in parts)
+    completion_width = max(part.batch.completion_ids.shape[1] for part, _ in parts)
+    batch = Rollout(
+        torch.cat([pad_to(part.batch.prompt_ids[rows], prompt_width, pad_id, left=True) for part, rows in parts]),
+        torch.cat([pad_to(part.batch.prompt_mask[rows], prompt_width, 0, left=True) for part, rows in parts]),
+        torch.cat([pad_to(part.batch.completion_ids[rows], completion_width, pad_id) for part, rows in parts]),
+        torch.cat([pad_to(part.batch.completion_mask[rows], completion_width, 0) for part, rows in parts]),
+        torch.cat([pad_to(part.batch.sampler_logp[rows], completion_width, 0.0) for part, rows in parts]),
+    )
+    rewards = {name: torch.cat([part.rewards[name][rows] for part, rows in parts]) for name in rounds[0].rewards}
+    return Round(
+        batch,
+        [row for part, rows in parts for row in part.rows[rows]],
+        [text for part, rows in parts for text in part.completions[rows]],
+        rewards,
+        torch.cat([part.reward[rows] for part, rows in parts]),
+    )
 
 
 def get_lr(step: int, args: Args) -> float:
@@ -867,23 +1036,56 @@ def get_lr(step: int, args: Args) -> float:
     return args.learning_rate * (1 + math.cos(math.pi * progress)) / 2
 
 
+def majority_right(texts: list[str], reference: str) -> float:
+    """maj@k of one prompt: 1.0 when the answer its completions state most often is right. Two answers are one when
+    answer_reward says so; a completion that states none does not vote."""
+    most_votes = 0
+    majority = None
+    for text in texts:
+        candidate = final_answer(text)
+        if candidate is None:
+            continue
+        votes = sum(answer_reward(other, candidate) for other in texts)
+        if votes > most_votes:
+            most_votes = votes
+            majority = text
+    if majority is None:
+        return 0.0
+    return answer_reward(majority, reference)
+
+
 @torch.no_grad()
-def evaluate(model, tokenizer, eos_ids, vocab_size, prompts, rows, args: Args, device, bf16) -> tuple[float, str]:
-    """Greedy accuracy (the answer reward) on the held-out prompts, every process evaluating them all; and the first
-    prompt's completion, as a sample of what the model writes."""
+def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> tuple[dict, str]:
+    """Held-out metrics, every process evaluating every prompt, and the first prompt's completion as a sample.
+
+    --eval-num-samples 1: greedy accuracy (the answer reward). k > 1: k completions a prompt at --temperature, drawn
+    from a generator seeded by (seed, prompt), the same at every evaluation: pass@1 (their accuracy), pass@k (one of
+    them is right), maj@k (majority_right) and, with --prm-path, prm@k (the one the PRM ranks first is right).
+    """
     if not rows:
-        return float("nan"), ""
-    correct = 0.0
-    batch_size = args.eval_batch_size
-    for start in range(0, len(rows), batch_size):
-        chunk = prompts[start : start + batch_size]
-        completed = rollout(model, tokenizer, eos_ids, vocab_size, chunk, args, device, bf16)
-        texts = decode_completions(tokenizer, completed, eos_ids)
-        if start == 0:
-            sample = f"held-out sample: {rows[0]['prompt']!r} -> {texts[0]!r} (reference {rows[0]['answer']!r})"
-        for text, row in zip(texts, rows[start : start + batch_size]):
-            correct += answer_reward(text, row["answer"])
-    return correct / len(rows), sample
+        return {"eval_accuracy": math.nan}, ""
+    k = args.eval_num_samples
+    prompts_per_batch = max(1, args.eval_batch_size // k)
+    texts = []
+    for start in range(0, len(rows), prompts_per_batch):
+        numbers = range(start, min(start + prompts_per_batch, len(rows)))
+        generators = None
+        if k > 1:  # (seed, prompt, 1): apart from the training prompts' (seed, position)
+            generators = [seeded_generator([args.seed, number, 1], policy.device) for number in numbers]
+        completed = rollout(policy, [prompts[number] for number in numbers for _ in range(k)], args, generators, k)
+        texts += decode_completions(policy, completed)
+    sample = f"held-out sample: {rows[0]['prompt']!r} -> {texts[0]!r} (reference {rows[0]['answer']!r})"
+    right = torch.tensor([answer_reward(text, rows[i // k]["answer"]) for i, text in enumerate(texts)]).view(-1, k)
+    if k == 1:
+        return {"eval_accuracy": right.mean().item()}, sample
+    metrics = {"eval_pass@1": right.mean().item(), f"eval_pass@{k}": right.amax(1).mean().item()}
+    majority = [majority_right(texts[i * k : (i + 1) * k], row["answer"]) for i, row in enumerate(rows)]
+    metrics[f"eval_maj@{k}"] = float(np.mean(majority))
+    for name, prm_reward, _ in reward_fns:
+        if name == "prm":  # best-of-k by the PRM: the standard test of a PRM's use (Lightman et al.)
+            scores = torch.tensor(prm_reward([rows[i // k]["prompt"] for i in range(len(texts))], texts)).view(-1, k)
+            metrics[f"eval_prm@{k}"] = right[torch.arange(len(rows)), scores.argmax(1)].mean().item()
+    return metrics, sample
 
 
 # dense bf16 TFLOP/s by GPU name, for MFU (the more specific names first)
@@ -942,6 +1144,7 @@ def update_stats(logged: list[dict], num_minibatches: int, device) -> dict:
 
 
 STUCK_STEPS = 5  # steps in a row of a problem that stops learning before it is warned about
+MAX_BAD_STEPS = 3  # updates in a row with a non-finite loss (each one skipped) that stop the run
 
 
 def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: Args, is_main: bool) -> None:
@@ -961,12 +1164,16 @@ def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: 
             streaks[message] = -math.inf  # once: the streak never reaches STUCK_STEPS again
 
 
-def completion_rows(prompts, completions, reward, rewards: dict, advantages, group_size: int) -> list[dict]:
+def completion_rows(sampled: Round, advantages, group_size: int) -> list[dict]:
     """The first completion of each group (8 at most): prompt, text, rewards and advantage, for completions.jsonl."""
     rows = []
-    for i in range(0, len(completions), group_size)[:8]:
-        row = {"prompt": prompts[i], "completion": completions[i], "reward": reward[i].item()}
-        for name, values in rewards.items():
+    for i in range(0, len(sampled.completions), group_size)[:8]:
+        row = {
+            "prompt": sampled.rows[i]["prompt"],
+            "completion": sampled.completions[i],
+            "reward": sampled.reward[i].item(),
+        }
+        for name, values in sampled.rewards.items():
             row[f"reward_{name}"] = values[i].item()
         row["advantage"] = advantages[i].item()
         rows.append(row)
@@ -1075,8 +1282,8 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
     return output_dir, resume, None
 
 
-def restore(path: str, output_dir: str, model, optimizer, args: Args) -> tuple[int, float, int]:
-    """The optimiser state of a checkpoint, the logs cut back to its step; (step, first eval, skipped updates)."""
+def restore(path: str, output_dir: str, model, optimizer, args: Args) -> dict:
+    """The optimiser state of a checkpoint, the logs cut back to its step; its trainer state."""
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     options = dcp.StateDictOptions(full_state_dict=args.fsdp)  # FSDP: each shard takes its part
     dcp.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
@@ -1088,7 +1295,7 @@ def restore(path: str, output_dir: str, model, optimizer, args: Args) -> tuple[i
                 kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
             with open(path, "w") as f:
                 f.writelines(kept)
-    return state["step"], state["eval_accuracy_start"], state["skipped"]
+    return state
 
 
 def check_args(args: Args, world_size: int) -> None:
@@ -1157,9 +1364,9 @@ def train(args: Args) -> dict:
         eval_rows = load_jsonl(args.eval_data_path)
     eval_rows = eval_rows[: args.num_eval_rows]
     seed_everything(args.seed)
-    model, tokenizer, reference, eos_ids = build_policy(args, dtype, resume_path, device)
-    eos_tensor = torch.tensor(eos_ids, device=device)
-    vocab_size = max(len(tokenizer), max(eos_ids) + 1)  # sample the tokenizer's ids, not padded embedding rows
+    policy, reference = build_policy(args, dtype, resume_path, device)
+    model = policy.model
+    tokenizer = policy.tokenizer
     train_prompts = encode_prompts(tokenizer, train_rows, args)
     eval_prompts = encode_prompts(tokenizer, eval_rows, args)
     unknown = sum(tokenizer.unk_token_id in ids for ids in train_prompts)
@@ -1172,10 +1379,15 @@ def train(args: Args) -> dict:
         trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=True
     )
     start_step = 0
-    eval_accuracy = math.nan
+    data_position = 0  # of the next prompt in the data stream
+    eval_start = {}
     skipped_updates = 0
     if resume_path:
-        start_step, eval_accuracy, skipped_updates = restore(resume_path, output_dir, model, optimizer, args)
+        state = restore(resume_path, output_dir, model, optimizer, args)
+        start_step = state["step"]
+        data_position = state["data_position"]
+        eval_start = state["eval_start"]
+        skipped_updates = state["skipped"]
 
     # ---- Logging and the batch's layout: a process holds whole groups, its minibatches are runs of them
     logger = RunLogger(
@@ -1205,16 +1417,18 @@ def train(args: Args) -> dict:
     completions_every = args.log_completions_every
     if completions_every is None:
         completions_every = args.eval_every
+    importance_sampling = "sequence" if args.policy_loss == "gspo" else "token"  # GSPO: PPO, a ratio per completion
+    policy_loss = "cispo" if args.policy_loss == "cispo" else "ppo"
 
-    def evaluate_held_out() -> float:  # and print a sample of what the model writes
-        accuracy, sample = evaluate(model, tokenizer, eos_ids, vocab_size, eval_prompts, eval_rows, args, device, bf16)
+    def evaluate_held_out() -> dict:  # and print a sample of what the model writes
+        metrics, sample = evaluate(policy, eval_prompts, eval_rows, args, reward_fns)
         print0(sample, enabled=is_main and bool(eval_rows))
-        return accuracy
+        return metrics
 
     if not resume_path and eval_rows:
-        eval_accuracy = evaluate_held_out()
-        logger.log(0, {"eval_accuracy": eval_accuracy})
-    eval_accuracy_start = eval_accuracy
+        eval_start = evaluate_held_out()
+        logger.log(0, eval_start)
+    eval_end = eval_start
     bad_updates = 0
     streaks = {}  # steps in a row with a problem that stops learning
     history = []
@@ -1229,34 +1443,24 @@ def train(args: Args) -> dict:
     try:
         for step in range(start_step, args.total_steps):
             step_start = clock(cuda)
-            # 1. rollout: this process's prompts (r, r + W, r + 2W ... of the step's), group_size completions each
-            positions = [step * args.prompts_per_step + i for i in range(rank, args.prompts_per_step, world_size)]
-            chosen, generators = draw_prompts(args.seed, positions, len(train_rows), device)
-            group_prompts = [train_prompts[i] for i in chosen for _ in range(args.group_size)]
-            batch = rollout(
-                model, tokenizer, eos_ids, vocab_size, group_prompts, args, device, bf16, generators, args.group_size
-            )
+            # 1. rollout and 2. rewards (see sample_step)
+            timings = {"generation": 0.0, "reward": 0.0}
+            sampled, sampling = sample_step(policy, train_rows, train_prompts, reward_fns, data_position, args, timings)
+            data_position += sampling["prompts_consumed"]
+            batch = sampled.batch
+            rewards = sampled.rewards  # {name: [B]}
             completion_mask = batch.completion_mask
-            generated_at = clock(cuda)
-
-            # 2. rewards, on the text before EOS
-            completions = decode_completions(tokenizer, batch, eos_ids)
-            sample_rows = [train_rows[i] for i in chosen for _ in range(args.group_size)]
-            prompts = [row["prompt"] for row in sample_rows]
-            answers = [row["answer"] for row in sample_rows]
-            rewards = compute_rewards(prompts, completions, answers, reward_fns)  # {name: [B]}
-            reward = sum(weight * rewards[name] for name, _, weight in reward_fns)  # [B]
             rewarded_at = clock(cuda)
 
             # 3. advantages, over every process's groups (the batch's std needs them all)
-            scores = torch.stack([reward, *rewards.values()]).to(device)  # [1 + R, B]: the total, then each reward
+            scores = torch.stack([sampled.reward, *rewards.values()]).to(device)  # [1 + R, B]: the total, each reward
             if distributed:
                 parts = [torch.empty_like(scores) for _ in range(world_size)]
                 dist.all_gather(parts, scores)
                 scores = torch.cat(parts, 1)  # [1 + R, W*B], rank after rank
             all_advantages = group_advantages(scores[0], args.group_size, args.scale_rewards)  # [W*B]
             advantages = all_advantages[rank * local_rows : (rank + 1) * local_rows]  # [B]
-            truncated = ~torch.isin(batch.completion_ids, eos_tensor).any(1)  # [B]: cut at --max-new-tokens
+            truncated = ~torch.isin(batch.completion_ids, torch.tensor(policy.eos_ids, device=device)).any(1)  # [B]
             loss_mask = completion_mask
             if args.mask_truncated_completions:
                 loss_mask = completion_mask * ~truncated[:, None]
@@ -1272,10 +1476,10 @@ def train(args: Args) -> dict:
                 ref_logp = torch.zeros_like(batch.sampler_logp)  # unused at --kl-coef 0
                 if args.kl_coef and args.lora_r:
                     with model.disable_adapter():  # the base model without its adapter is the initial policy
-                        ref_logp = fixed_logprobs(model, batch, every_micro_batch, args.temperature, vocab_size)
+                        ref_logp = fixed_logprobs(model, batch, every_micro_batch, args.temperature, policy.vocab_size)
                 elif args.kl_coef:
-                    ref_logp = fixed_logprobs(reference, batch, every_micro_batch, args.temperature, vocab_size)
-                old_logp = fixed_logprobs(model, batch, later_micro_batches, args.temperature, vocab_size)
+                    ref_logp = fixed_logprobs(reference, batch, every_micro_batch, args.temperature, policy.vocab_size)
+                old_logp = fixed_logprobs(model, batch, later_micro_batches, args.temperature, policy.vocab_size)
             referenced_at = clock(cuda)
 
             # 5. update: num_iterations passes over the batch, each num_minibatches optimiser steps (PPO's epochs and
@@ -1295,11 +1499,26 @@ def train(args: Args) -> dict:
                         cols = micro.completion_cols
                         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                             logp, entropy = completion_logprobs(
-                                model, *micro.inputs, args.temperature, last_pass, micro.prompt_of_row, vocab_size
+                                model,
+                                *micro.inputs,
+                                args.temperature,
+                                last_pass,
+                                micro.prompt_of_row,
+                                policy.vocab_size,
                             )
                         if iteration == 0 and j == 0:  # the policy has not moved yet: these are the old log-probs
                             old_logp[part, cols] = logp.detach()
                         mask = loss_mask[part, cols]
+                        weights = None
+                        if args.rollout_correction != "none":
+                            sampler_logp = batch.sampler_logp[part, cols]
+                            weights, _ = rollout_correction(
+                                old_logp[part, cols],
+                                sampler_logp,
+                                mask,
+                                args.rollout_correction,
+                                args.rollout_correction_cap,
+                            )
                         loss, stats = grpo_loss(
                             logp,
                             old_logp[part, cols],
@@ -1312,11 +1531,13 @@ def train(args: Args) -> dict:
                             loss_type=args.loss_type,
                             max_completion_length=args.max_new_tokens,
                             delta=args.delta,
-                            importance_sampling=args.importance_sampling,
+                            importance_sampling=importance_sampling,
                             kl_estimator=args.kl_estimator,
                             kl_ratio_weighted=args.kl_ratio_weighted,
                             total_sequences=minibatch_rows * world_size,
                             total_tokens=minibatch_tokens[j],
+                            policy_loss=policy_loss,
+                            rollout_weights=weights,
                         )
                         loss.backward()
                         if last_pass:
@@ -1342,7 +1563,7 @@ def train(args: Args) -> dict:
                             file=sys.stderr,
                             enabled=is_main,
                         )
-                        if bad_updates >= args.max_bad_steps:
+                        if bad_updates >= MAX_BAD_STEPS:
                             raise UserError(
                                 f"{bad_updates} updates in a row had a non-finite loss or gradient: lower "
                                 "--learning-rate or check the rewards"
@@ -1359,6 +1580,13 @@ def train(args: Args) -> dict:
             metrics["grad_norm"] = np.mean(grad_norms[-args.num_minibatches :])
             metrics["learning_rate"] = get_lr(step, args)
             gap = (old_logp - batch.sampler_logp).abs() * completion_mask  # trainer vs sampler: same weights, tokens
+            corrected = torch.zeros(())
+            if args.rollout_correction != "none":
+                mode = args.rollout_correction
+                _, touched = rollout_correction(
+                    old_logp, batch.sampler_logp, completion_mask, mode, args.rollout_correction_cap
+                )
+                corrected = touched.sum()
             counts = {
                 "generated": completion_mask.sum(),
                 "truncated": truncated.sum(),
@@ -1366,16 +1594,24 @@ def train(args: Args) -> dict:
                 "prompt_tokens": batch.prompt_mask.sum(),
                 "gap": gap.sum(),
                 "stop": len(stop_signals),
+                "corrected": corrected,
+                "groups_dropped": sampling["groups_dropped"],
             }
             counts = all_sum(counts, device)
             num_completions = scores.shape[1]
             metrics["completion_length"] = counts["generated"] / num_completions
             metrics["truncated_frac"] = counts["truncated"] / num_completions
             metrics["logp_gap_mean"] = counts["gap"] / counts["generated"]
+            if args.rollout_correction != "none":
+                metrics["rollout_correction_frac"] = counts["corrected"] / counts["generated"]
+            if args.dynamic_sampling:
+                metrics["sampling_rounds"] = sampling["sampling_rounds"]
+                metrics["groups_dropped"] = counts["groups_dropped"]
+                metrics["prompts_consumed"] = sampling["prompts_consumed"]
             metrics["generated_tokens"] = counts["generated"]
             metrics["trained_tokens"] = sum(minibatch_tokens.values()) * args.num_iterations
-            metrics["generation_time_s"] = generated_at - step_start
-            metrics["reward_time_s"] = rewarded_at - generated_at
+            metrics["generation_time_s"] = timings["generation"]
+            metrics["reward_time_s"] = timings["reward"]
             metrics["reference_time_s"] = referenced_at - rewarded_at
             metrics["update_time_s"] = updated_at - referenced_at
             metrics["step_time_s"] = updated_at - step_start
@@ -1384,12 +1620,12 @@ def train(args: Args) -> dict:
                 flops = 2 * num_params * passes * (counts["prompt_tokens"] + counts["generated"])
                 metrics["mfu"] = flops / world_size / metrics["step_time_s"] / (peak_tflops * 1e12)
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
-                eval_accuracy = evaluate_held_out()
-                metrics["eval_accuracy"] = eval_accuracy
+                eval_end = evaluate_held_out()
+                metrics.update(eval_end)
             logger.log(step + 1, metrics)
             history.append(metrics)
             if completions_every and (step + 1) % completions_every == 0:
-                rows = completion_rows(prompts, completions, reward, rewards, advantages, args.group_size)
+                rows = completion_rows(sampled, advantages, args.group_size)
                 logger.log_rows(step + 1, "completions", rows)
             warn_if_stuck(metrics, counts["truncated_correct"], streaks, args, is_main)
             stopped = counts["stop"] > 0  # a signal to any process stops every process after the same step
@@ -1397,7 +1633,8 @@ def train(args: Args) -> dict:
             if save_step or stopped:
                 state = {
                     "step": step + 1,
-                    "eval_accuracy_start": eval_accuracy_start,
+                    "data_position": data_position,
+                    "eval_start": eval_start,
                     "skipped": skipped_updates,
                     "rng": torch.get_rng_state(),
                 }
@@ -1419,17 +1656,19 @@ def train(args: Args) -> dict:
     # ---- Final model, evaluation and benchmark summary
     if not stopped:
         save_run(os.path.join(output_dir, "final"), model, tokenizer, args)
-        eval_accuracy = evaluate_held_out()
+        eval_end = evaluate_held_out()
         if eval_rows:
-            logger.log(start_step + len(history), {"eval_accuracy": eval_accuracy})
+            logger.log(start_step + len(history), eval_end)
     summary = {
         "steps": start_step + len(history),
         "interrupted": stopped,
         "total_time_s": time.perf_counter() - run_start,
     }
     summary.update(benchmark_summary(history, cuda))
-    summary["eval_accuracy_start"] = eval_accuracy_start
-    summary["eval_accuracy_end"] = eval_accuracy
+    for key, value in eval_start.items():
+        summary[f"{key}_start"] = value
+    for key, value in eval_end.items():
+        summary[f"{key}_end"] = value
     summary["skipped_updates"] = skipped_updates
     summary["resumed_from_step"] = start_step
     summary["stop_signal"] = None

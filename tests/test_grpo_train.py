@@ -426,12 +426,12 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch, capsys)
         return loss * math.nan, stats
 
     monkeypatch.setattr(grpo, "grpo_loss", nan_loss)
-    summary = train(tmp_path / "skipped", "--max-bad-steps", "3")
+    summary = train(tmp_path / "skipped")  # 2 steps of one update each: under the 3 in a row that stop a run
     assert summary["skipped_updates"] == 2 and capsys.readouterr().err.count("update skipped") == 2
     train(tmp_path / "initial", "--total-steps", "0")
     assert_same_weights(tmp_path / "initial" / "final", tmp_path / "skipped" / "final", tol=0)  # never moved
     with pytest.raises(grpo.UserError, match="3 updates in a row"):
-        train(tmp_path / "stopped", "--max-bad-steps", "3", "--total-steps", "5")
+        train(tmp_path / "stopped", "--total-steps", "5")
 
 
 def test_track_writes_a_wandb_offline_run(tmp_path, monkeypatch):
@@ -524,3 +524,49 @@ def test_torchrun_error_is_one_line(tmp_path):
     output = process.stdout + process.stderr
     assert process.returncode != 0 and output.count("error: --max-new-tokens must be at least 1") == 1, output[-3000:]
     assert "Traceback" not in output.split("error: --max-new-tokens")[0]
+
+
+def test_dynamic_sampling_trains_on_groups_with_signal_and_resumes_exactly(tmp_path):
+    """Answer reward only: most groups of 4 early completions are all wrong, equal rewards, no signal."""
+    flags = ["--dynamic-sampling", "--max-sampling-rounds", "8", "--format-reward-weight", "0", "--total-steps", "4"]
+    out = tmp_path / "run"
+    run(out, *flags, "--save-every", "2")
+    rows = steps(out)
+    assert any(row["sampling_rounds"] > 1 for row in rows)
+    for row in rows:
+        assert row["prompts_consumed"] == 4 * row["sampling_rounds"]
+        rounds = row["sampling_rounds"]
+        if rounds < 8:  # filled before running out of rounds: every group has signal, the others were dropped
+            assert row["frac_zero_std_groups"] == 0 and 4 * (rounds - 1) - 3 <= row["groups_dropped"] <= 4 * rounds - 4
+    run(tmp_path / "plain", *flags[3:])
+    plain = steps(tmp_path / "plain")
+    assert sum(row["frac_zero_std_groups"] for row in plain) > sum(row["frac_zero_std_groups"] for row in rows)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    for name in ("checkpoint-4", "final"):  # as a crash after step 2 leaves it
+        shutil.rmtree(resumed / name)
+    (resumed / "summary.json").unlink()
+    run(resumed, *flags, "--save-every", "2", "--resume-from", "latest")
+    assert_same_rows(rows, steps(resumed), tol=0)
+    torchrun("grpo.py", *cli(tmp_path / "ddp", *flags, "--total-steps", "2"))  # each process fills its own share
+    assert len(steps(tmp_path / "ddp")) == 2
+
+
+def test_overlong_penalty_rollout_correction_and_cispo_in_a_run(tmp_path):
+    flags = ["--overlong-buffer", "1", "--overlong-penalty", "0.5", "--rollout-correction", "token-tis"]
+    run(tmp_path / "run", *flags, "--policy-loss", "cispo", "--num-iterations", "2")
+    for row in steps(tmp_path / "run"):
+        # a completion of --max-new-tokens 2 tokens gets -0.5, shorter ones 0
+        assert -0.5 <= row["reward_overlong"] <= 0 and 0 <= row["rollout_correction_frac"] <= 1
+        expected = row["reward_answer"] + 0.1 * row["reward_format"] + row["reward_overlong"]
+        assert row["reward"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_evaluation_with_samples_logs_pass_maj_and_prm_at_k(tmp_path, tiny_prm):
+    out = tmp_path / "run"
+    run(out, "--eval-num-samples", "8", "--prm-path", str(tiny_prm), "--total-steps", "1")
+    summary = json.loads((out / "summary.json").read_text())
+    for when in ("start", "end"):
+        pass_1, pass_8 = summary[f"eval_pass@1_{when}"], summary[f"eval_pass@8_{when}"]
+        assert 0 <= pass_1 <= pass_8 <= 1 and 0 <= summary[f"eval_maj@8_{when}"] <= pass_8
+        assert 0 <= summary[f"eval_prm@8_{when}"] <= pass_8
