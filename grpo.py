@@ -6,15 +6,16 @@ The loss is PPO's clipped surrogate plus a KL penalty to a frozen reference poli
 
 Where this file departs from the paper:
 1. Clipping `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` for both signs of A, with DAPO's separate epsilons
-   (https://arxiv.org/abs/2503.14476) and INTELLECT-2's optional bound `delta` on r (https://arxiv.org/abs/2505.07291).
+   (https://arxiv.org/abs/2503.14476) and INTELLECT-2's optional bound `delta` on r (https://arxiv.org/abs/2505.07291);
+   `--policy-loss` gspo or cispo for GSPO's ratio per completion or MiniMax-M1's clipped weight.
 2. `--loss-type` picks the aggregation; every normaliser counts the whole (mini)batch, over micro-batches and
    processes, so the update does not depend on how the batch is split.
 3. `--scale-rewards batch` (the default) divides advantages by the batch's reward std instead of each group's.
-4. Each prompt's completions draw from a random stream keyed by (seed, step, prompt): a resumed or multi-process
-   run draws the same random numbers as one uninterrupted process.
+4. Each prompt's completions draw from a random stream keyed by (seed, the prompt's position in the data stream): a
+   resumed or multi-process run draws the same random numbers as one uninterrupted process.
 
 Run it:
-    python grpo.py                                    # tiny model, built-in task, CPU, under a minute
+    python grpo.py                                    # tiny model, built-in task, CPU, about 15 seconds
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl --lora-r 16 --kl-coef 0.05 \\
         --max-new-tokens 256 --learning-rate 1e-5 --output-dir runs/qwen-gsm8k --save-every 50
     python grpo.py ... --output-dir runs/qwen-gsm8k --resume-from latest    # after a stop or a crash
@@ -68,21 +69,22 @@ class Args:
     prompts_per_step: int = 8  # prompts per step, over all processes
     group_size: int = 16  # completions sampled per prompt (the group its rewards are standardised in)
     max_new_tokens: int = 2  # maximum completion length in tokens
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, sample more prompts in their place (DAPO)
-    max_sampling_rounds: int = 4  # with --dynamic-sampling, rollouts a step may take; then it trains on what there is
     temperature: float = 1.0  # sampling temperature (the training log-probs use the same)
     top_p: float = 1.0  # nucleus sampling threshold; 1.0 = off
     top_k: int = 0  # sample among the k most likely tokens; 0 = off
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, sample more prompts instead (DAPO)
+    max_sampling_rounds: int = 4  # with --dynamic-sampling: rollouts a step may take, then it trains on what there is
     # Rewards
     answer_reward_weight: float = 1.0  # weight of the answer reward (1 when the final answer equals the reference)
     format_reward_weight: float = 0.1  # weight of the format reward (1 when the answer is stated cleanly)
     prm_path: str | None = None  # a PRM saved by prm.py: its aggregated step scores join the reward
-    prm_reward_weight: float = 1.0  # weight of the PRM reward (its aggregated step scores)
-    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens before --max-new-tokens
-    overlong_penalty: float = 1.0  # the penalty at --max-new-tokens, grown linearly over --overlong-buffer
+    prm_reward_weight: float = 1.0  # weight of the PRM reward
     prm_aggregate: Literal["min", "prod", "last", "mean"] = "min"  # how step scores make one PRM reward
+    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens before --max-new-tokens
+    overlong_penalty: float = 1.0  # the penalty at --max-new-tokens, growing linearly over --overlong-buffer
     # Loss
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # how token losses are aggregated (see grpo_loss)
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"  # PPO's surrogate, its GSPO form, or CISPO's (see grpo_loss)
     scale_rewards: Literal["group", "batch", "none"] = "batch"  # divide advantages by the group's or batch's std
     kl_coef: float = 0.02  # weight of the KL penalty to the reference policy; 0 = no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # per-token KL estimator (see kl_penalty)
@@ -90,10 +92,9 @@ class Args:
     clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
     clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO uses 0.28)
     delta: float | None = None  # upper bound on the unclipped ratio (INTELLECT-2's two-sided clipping); None = off
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"  # PPO's surrogate, its GSPO form, or CISPO's (see grpo_loss)
-    rollout_correction: Literal["none", "token-tis", "sequence-mask"] = "none"  # for sampler/trainer mismatch
-    rollout_correction_cap: float = 2.0  # token-tis: the weight's cap; sequence-mask: the ratio's range [1/cap, cap]
     mask_truncated_completions: bool = False  # leave completions cut at --max-new-tokens out of the loss (DAPO)
+    rollout_correction: Literal["none", "token-tis", "sequence-mask"] = "none"  # sampler/trainer mismatch correction
+    rollout_correction_cap: float = 2.0  # token-tis: the weight's cap; sequence-mask: the ratio's range [1/cap, cap]
     # Optimisation
     learning_rate: float = 3e-4  # AdamW learning rate (about 1e-6 for full fine-tuning of real models, 1e-5 for LoRA)
     warmup_steps: int = 0  # linear learning-rate warm-up over this many steps
@@ -104,13 +105,11 @@ class Args:
     micro_batch_size: int = 0  # completions per forward/backward pass (gradient accumulation); 0 = a whole minibatch
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     # Evaluation, logging, checkpoints, system
-    eval_every: int = 50  # greedy held-out accuracy every this many steps (0 = at the start and the end only)
-    eval_batch_size: int = 64  # held-out prompts per generation batch
+    eval_every: int = 50  # held-out evaluation every this many steps (0 = at the start and the end only)
+    eval_batch_size: int = 64  # held-out completions per generation batch
     num_eval_rows: int = 500  # at most this many held-out prompts are evaluated
-    eval_num_samples: int = 1  # 1: greedy accuracy; k > 1: k samples a prompt, for pass@1, pass@k, maj@k (and prm@k)
-    log_completions_every: int | None = (
-        None  # a few of the step's completions to completions.jsonl; None = --eval-every
-    )
+    eval_num_samples: int = 1  # 1: greedy accuracy; k > 1: k samples a prompt for pass@1, pass@k, maj@k (and prm@k)
+    log_completions_every: int | None = None  # some completions to completions.jsonl; None = every --eval-every
     save_every: int = 0  # checkpoint-STEP/ every this many steps and at the end (0 = only when stopped by a signal)
     keep_checkpoints: int = 2  # the newest checkpoints kept (0 = all)
     resume_from: str | None = None  # a checkpoint-STEP directory, or `latest` in --output-dir, to continue from
@@ -183,10 +182,9 @@ def grpo_loss(
 
     logp, old_logp, ref_logp, mask: [B, T], mask 1 on completion tokens (EOS included); advantages: [B].
     Per token, with r = exp(logp - old_logp):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + kl_coef KL.
-    importance_sampling "sequence" (GSPO) gives every token of a row one r = exp(mean over the row of log r); delta
-    caps the unclipped r (INTELLECT-2); kl_ratio_weighted multiplies KL by the token's r. policy_loss "cispo"
-    (MiniMax-M1) replaces the surrogate by -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp, which no clip silences;
-    rollout_weights [B, T] (see rollout_correction) multiply the policy term.
+    importance_sampling "sequence" (GSPO): a row's tokens share r = exp(the row's mean log r). delta caps the unclipped
+    r (INTELLECT-2). kl_ratio_weighted: KL times the token's r. policy_loss "cispo" (MiniMax-M1): the policy term is
+    -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp, which no clip silences. rollout_weights [B, T] weigh the policy term.
     With N sequences and M tokens in the batch (total_sequences and total_tokens, when this call sees a part of it):
         grpo: (1/N) sum_i (sum_t l m / sum_t m)   bnpo, dapo: sum l m / M   dr_grpo: sum l m / (N max_completion_length)
     so the losses of the parts (micro-batches, processes) sum to the batch's. Returns (loss, stats): token means over
@@ -209,6 +207,7 @@ def grpo_loss(
     else:
         raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
 
+    # the policy term
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     if policy_loss == "ppo":  # the pessimistic surrogate: the smaller of the unclipped and clipped objective, either A
         unclipped = ratio
@@ -270,7 +269,7 @@ def clipped_tokens(ratio, adv, clip_eps_low, clip_eps_high, delta, policy_loss) 
 
 
 def rollout_correction(old_logp, sampler_logp, mask, mode: str, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights [B, T] of the policy loss that correct for the sampler's numbers differing from the trainer's on the
+    """Weights [B, T] of the policy term that correct for the sampler's log-probs differing from the trainer's on the
     same weights and tokens (https://fengyao.notion.site/off-policy-rl), and the tokens they change [B, T].
 
     token-tis: each token weighs pi_old / pi_sampler, capped at cap (truncated importance sampling), detached.
@@ -295,15 +294,8 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
     return -penalty * excess.float() / buffer
 
 
-def token_logprobs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    rows_per_chunk: int = 16,
-    vocab_size: int | None = None,
-):
-    """log softmax(logits / T) at the targets, in fp32: logp [B, T], and the entropy [B, T] or None.
+def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, rows_per_chunk=16, vocab_size=None):
+    """log softmax(logits / T) at the targets [B, T], in fp32, and the entropy [B, T] or None.
 
     logits [B, T, V] go a few rows at a time (without gradients, only a chunk is ever in fp32), over the first
     vocab_size ids (those the sampler draws).
@@ -513,24 +505,12 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
         core.add_special_tokens(TINY_SPECIALS)
         core.decoder = decoders.Fuse()
         core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=core,
-            pad_token="<pad>",
-            bos_token="<bos>",
-            eos_token="<eos>",
-            unk_token="<unk>",
-            model_max_length=1024,
+        specials = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=1024, **specials)
+        shape = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
+        model = LlamaForCausalLM(
+            LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=0, **shape)
         )
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=512,
-            tie_word_embeddings=True,
-            pad_token_id=0,
-        )
-        model = LlamaForCausalLM(config)
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
@@ -538,7 +518,7 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
         except (OSError, ValueError) as error:
             reason = str(error).strip().splitlines()[0]
             raise UserError(
-                f"could not load --model {name}: {reason} (offline? HF_HUB_OFFLINE=1 skips the retries)"
+                f"could not load --model {name}: {reason} (HF_HUB_OFFLINE=1 skips the hub's retries)"
             ) from None
     for weight in model.parameters():  # not model.to(dtype), which would round the rotary frequencies too
         weight.data = weight.data.to(dtype)
@@ -564,51 +544,44 @@ class Policy:
     bf16: bool  # compute under bf16 autocast (trained weights stay fp32)
 
 
-def build_policy(args: Args, dtype: torch.dtype, resume_path: str | None, device: torch.device):
+def build_policy(args: Args, bf16: bool, resume_path: str | None, device: torch.device):
     """(policy, reference) on the device. The reference, a frozen copy of the initial model for the KL, is None at
     --kl-coef 0 and with LoRA, whose initial model is the model with its adapter disabled."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # its bars for loading and saving weights would break into the log's lines
+    dtype = torch.bfloat16 if bf16 else torch.float32
     # trained weights stay fp32 (bf16 would round small updates away) and compute under autocast; LoRA's base in dtype
     weights_dtype = torch.float32
     if args.lora_r and not args.fsdp:
         weights_dtype = dtype
-    if args.lora_r:
-        model, tokenizer = load_model(args.model, weights_dtype, args.seed)
-        if resume_path:
-            model = PeftModel.from_pretrained(model, resume_path, is_trainable=True)
-        else:
-            targets = args.lora_target_modules
-            if targets != "all-linear":
-                targets = targets.split(",")
-            config = LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                lora_dropout=0.0,
-                target_modules=targets,
-                task_type="CAUSAL_LM",
-            )
-            model = get_peft_model(model, config)
-    else:
-        model, tokenizer = load_model(resume_path or args.model, weights_dtype, args.seed)
+    source = args.model
+    if resume_path and not args.lora_r:
+        source = resume_path  # a checkpoint of full fine-tuning holds the whole model
+    model, tokenizer = load_model(source, weights_dtype, args.seed)
+    if args.lora_r and resume_path:
+        model = PeftModel.from_pretrained(model, resume_path, is_trainable=True)
+    elif args.lora_r:
+        targets = args.lora_target_modules
+        if targets != "all-linear":
+            targets = targets.split(",")
+        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
     reference = None
     if args.kl_coef and not args.lora_r:
         reference = load_model(args.model, weights_dtype, args.seed)[0].eval()
     for module in (model, reference):
-        if module is None:
-            continue
-        if args.fsdp:
+        if module is not None and args.fsdp:
             shard_model(module, device, dtype)
-        else:
+        elif module is not None:
             module.to(device)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     configured = model.generation_config.eos_token_id or []  # an id or a list of them
     eos_ids = sorted({tokenizer.eos_token_id, *np.ravel(configured).tolist()})
     vocab_size = max(len(tokenizer), max(eos_ids) + 1)
-    return Policy(model.train(), tokenizer, eos_ids, vocab_size, device, dtype == torch.bfloat16), reference
+    return Policy(model.train(), tokenizer, eos_ids, vocab_size, device, bf16), reference
 
 
 def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None:
@@ -619,8 +592,7 @@ def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     blocks = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
-    units = [module for module in model.modules() if type(module).__name__ in blocks] + [model]
-    for module in units:
+    for module in [module for module in model.modules() if type(module).__name__ in blocks] + [model]:
         fully_shard(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-scaled one
@@ -628,25 +600,23 @@ def shard_model(model, device: torch.device, compute_dtype: torch.dtype) -> None
 
 def encode_prompts(tokenizer, rows: list[dict], args: Args) -> list[list[int]]:
     """Token ids of each row's prompt, in the chat template (after the system message) when the tokenizer has one."""
-    if args.chat_template and tokenizer.chat_template:
-        system = []
-        if args.system_prompt is not None:
-            system = [{"role": "system", "content": args.system_prompt}]
-        encoded = []
-        for row in rows:
-            messages = system + [{"role": "user", "content": row["prompt"]}]
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-            encoded.append(ids)
-    elif args.system_prompt is not None:
+    if args.system_prompt is not None and not (args.chat_template and tokenizer.chat_template):
         raise UserError("--system-prompt needs a chat template, and this tokenizer has none (or it is off)")
-    else:
-        encoded = [tokenizer(row["prompt"])["input_ids"] for row in rows]
-    for row, ids in zip(rows, encoded):
+    encoded = []
+    for row in rows:
+        if args.chat_template and tokenizer.chat_template:
+            messages = [{"role": "user", "content": row["prompt"]}]
+            if args.system_prompt is not None:
+                messages.insert(0, {"role": "system", "content": args.system_prompt})
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        else:
+            ids = tokenizer(row["prompt"])["input_ids"]
         if len(ids) > args.max_prompt_length:
             where = row.get("where", "a built-in prompt")
             raise UserError(
-                f"{where}: the prompt is {len(ids)} tokens, longer than --max-prompt-length {args.max_prompt_length}"
+                f"{where}: the prompt is {len(ids)} tokens, over --max-prompt-length {args.max_prompt_length}"
             )
+        encoded.append(ids)
     return encoded
 
 
@@ -894,17 +864,17 @@ def fixed_logprobs(policy, batch: Rollout, plans: list[MicroBatch], temperature:
     return logp
 
 
-# ---- Data order, evaluation, processes, checkpoints and flag checks
-@functools.lru_cache(maxsize=2)
-def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
-    """The order in which epoch `epoch` visits the training rows: a permutation seeded by (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_rows)
-
-
+# ---- The data stream, sampling a step, evaluation
 def seeded_generator(key: list[int], device) -> torch.Generator:
     """A torch generator seeded by a list of integers, which numpy's SeedSequence mixes into one seed."""
     seed = np.random.SeedSequence(key).generate_state(1)[0]
     return torch.Generator(device).manual_seed(int(seed))
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits the training rows: a permutation seeded by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
 def draw_prompts(seed: int, positions: list[int], num_rows: int, device) -> tuple[list[int], list[torch.Generator]]:
@@ -944,8 +914,7 @@ def sample_round(policy: Policy, rows, prompts, positions: list[int], reward_fns
     completions = decode_completions(policy, batch)  # rewards judge the text before EOS
     sample_rows = [rows[i] for i in chosen for _ in range(args.group_size)]
     prompt_texts = [row["prompt"] for row in sample_rows]
-    answers = [row["answer"] for row in sample_rows]
-    rewards = compute_rewards(prompt_texts, completions, answers, reward_fns)  # {name: [B]}
+    rewards = compute_rewards(prompt_texts, completions, [row["answer"] for row in sample_rows], reward_fns)
     reward = sum(weight * rewards[name] for name, _, weight in reward_fns)  # [B]
     if args.overlong_buffer:
         lengths = batch.completion_mask.sum(1).cpu()
@@ -959,10 +928,10 @@ def sample_round(policy: Policy, rows, prompts, positions: list[int], reward_fns
 
 
 def sample_step(policy: Policy, rows, prompts, reward_fns, data_position: int, args: Args, timings: dict):
-    """Steps 1 and 2 of a training step: this process's groups of the --prompts-per-step that follow data_position in
-    the data stream. With --dynamic-sampling, a group whose rewards are all equal (no signal) is dropped and more
-    prompts sampled, in rounds every process takes together, at most --max-sampling-rounds; then groups without
-    signal fill the step. Returns the groups to train on and the sampling's counts."""
+    """Steps 1 and 2 of a training step: this process's groups of the --prompts-per-step at data_position in the data
+    stream. With --dynamic-sampling, a group whose rewards are all equal (no signal) is dropped and more prompts
+    sampled, in rounds all processes take together, --max-sampling-rounds at most; then groups without signal fill the
+    step. Returns the groups to train on and the sampling's counts."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     num_groups = args.prompts_per_step // world_size
@@ -970,7 +939,7 @@ def sample_step(policy: Policy, rows, prompts, reward_fns, data_position: int, a
     if args.dynamic_sampling:
         max_rounds = args.max_sampling_rounds
     rounds = []
-    signals = []  # [groups] per round: whether the group's rewards differ
+    signals = []  # [groups] of each round: the group's rewards differ
     kept = []  # (round, group) of the groups to train on
     while True:
         first = data_position + len(rounds) * args.prompts_per_step
@@ -986,54 +955,32 @@ def sample_step(policy: Policy, rows, prompts, reward_fns, data_position: int, a
     for group in range(num_groups):  # out of rounds: the last round's groups without signal fill the step
         if len(kept) < num_groups and not signals[-1][group]:
             kept.append((len(rounds) - 1, group))
-    dropped = 0
-    for number, signal_of_group in enumerate(signals):
-        for group in range(num_groups):
-            dropped += int(not signal_of_group[group] and (number, group) not in kept)
+    without_signal = sum(int((~signal_of_round).sum()) for signal_of_round in signals)
     counts = {"sampling_rounds": len(rounds), "prompts_consumed": len(rounds) * args.prompts_per_step}
-    counts["groups_dropped"] = dropped
+    counts["groups_dropped"] = without_signal - sum(int(not signals[number][group]) for number, group in kept)
     return take_groups(rounds, kept, args.group_size, policy.tokenizer.pad_token_id), counts
 
 
-def pad_to(tensor: torch.Tensor, width: int, value, left: bool = False) -> torch.Tensor:
-    """tensor [B, W] padded to [B, width], on the right or the left."""
-    padding = (0, width - tensor.shape[1])
+def pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+    """tensor [B, W] padded to [B, width], on the left or the right."""
     if left:
-        padding = (width - tensor.shape[1], 0)
-    return torch.nn.functional.pad(tensor, padding, value=value)
+        return torch.nn.functional.pad(tensor, (width - tensor.shape[1], 0), value=value)
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)
 
 
 def take_groups(rounds: list[Round], kept: list[tuple[int, int]], group_size: int, pad_id: int) -> Round:
-    """The kept (round, group) groups as one Round, their tensors padded to the widest."""
+    """The kept (round, group) groups as one Round, each tensor padded to the widest (prompts on the left)."""
     parts = [(rounds[number], slice(group * group_size, (group + 1) * group_size)) for number, group in kept]
-    prompt_width = max(part.batch.prompt_ids.shape[1] for part, _ in parts)
-    completion_width = max(part.batch.completion_ids.shape[1] for part, _ in parts)
-    batch = Rollout(
-        torch.cat([pad_to(part.batch.prompt_ids[rows], prompt_width, pad_id, left=True) for part, rows in parts]),
-        torch.cat([pad_to(part.batch.prompt_mask[rows], prompt_width, 0, left=True) for part, rows in parts]),
-        torch.cat([pad_to(part.batch.completion_ids[rows], completion_width, pad_id) for part, rows in parts]),
-        torch.cat([pad_to(part.batch.completion_mask[rows], completion_width, 0) for part, rows in parts]),
-        torch.cat([pad_to(part.batch.sampler_logp[rows], completion_width, 0.0) for part, rows in parts]),
-    )
+    tensors = []
+    for field, fill in zip(Rollout._fields, (pad_id, 0, pad_id, 0, 0.0)):
+        pieces = [getattr(part.batch, field)[rows] for part, rows in parts]
+        width = max(piece.shape[1] for piece in pieces)
+        tensors.append(torch.cat([pad_to(piece, width, fill, left=field.startswith("prompt")) for piece in pieces]))
+    sample_rows = [row for part, rows in parts for row in part.rows[rows]]
+    completions = [text for part, rows in parts for text in part.completions[rows]]
     rewards = {name: torch.cat([part.rewards[name][rows] for part, rows in parts]) for name in rounds[0].rewards}
-    return Round(
-        batch,
-        [row for part, rows in parts for row in part.rows[rows]],
-        [text for part, rows in parts for text in part.completions[rows]],
-        rewards,
-        torch.cat([part.reward[rows] for part, rows in parts]),
-    )
-
-
-def get_lr(step: int, args: Args) -> float:
-    """The learning rate of step `step` (from 0), as nanoGPT's get_lr: a linear warm-up, then constant or a cosine
-    decay to 0 at --total-steps."""
-    if step < args.warmup_steps:
-        return args.learning_rate * (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return args.learning_rate
-    progress = (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps)
-    return args.learning_rate * (1 + math.cos(math.pi * progress)) / 2
+    reward = torch.cat([part.reward[rows] for part, rows in parts])
+    return Round(Rollout(*tensors), sample_rows, completions, rewards, reward)
 
 
 def majority_right(texts: list[str], reference: str) -> float:
@@ -1082,10 +1029,22 @@ def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> tuple[dic
     majority = [majority_right(texts[i * k : (i + 1) * k], row["answer"]) for i, row in enumerate(rows)]
     metrics[f"eval_maj@{k}"] = float(np.mean(majority))
     for name, prm_reward, _ in reward_fns:
-        if name == "prm":  # best-of-k by the PRM: the standard test of a PRM's use (Lightman et al.)
+        if name == "prm":  # best-of-k by the PRM: the standard test of a PRM (Lightman et al.)
             scores = torch.tensor(prm_reward([rows[i // k]["prompt"] for i in range(len(texts))], texts)).view(-1, k)
             metrics[f"eval_prm@{k}"] = right[torch.arange(len(rows)), scores.argmax(1)].mean().item()
     return metrics, sample
+
+
+# ---- Schedule, metrics, processes, checkpoints and flag checks
+def get_lr(step: int, args: Args) -> float:
+    """The learning rate of step `step` (from 0), as nanoGPT's get_lr: a linear warm-up, then constant or a cosine
+    decay to 0 at --total-steps."""
+    if step < args.warmup_steps:
+        return args.learning_rate * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return args.learning_rate
+    progress = (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps)
+    return args.learning_rate * (1 + math.cos(math.pi * progress)) / 2
 
 
 # dense bf16 TFLOP/s by GPU name, for MFU (the more specific names first)
@@ -1099,15 +1058,11 @@ CONSOLE = {
     "clip_frac_high": "clip_hi",
     "completion_length": "len",
     "eval_accuracy": "eval_acc",
+    "eval_pass@1": "pass@1",
     "step_time_s": "dt",
 }
-# the flags a resumed run may change; every other flag defines the run and must be its checkpoint's
-MAY_CHANGE_ON_RESUME = (
-    "total_steps eval_every eval_batch_size num_eval_rows eval_data_path log_completions_every save_every"
-    " keep_checkpoints resume_from output_dir overwrite track wandb_project_name micro_batch_size"
-    " gradient_checkpointing max_bad_steps"
-).split()
-RUN_FILES = ("metrics.jsonl", "completions.jsonl", "summary.json")  # besides final/ and checkpoint-STEP/
+STUCK_STEPS = 5  # steps in a row of a problem that stops learning before it is warned about
+MAX_BAD_STEPS = 3  # updates in a row with a non-finite loss (each one skipped) that stop the run
 
 
 def all_sum(values: dict, device) -> dict:
@@ -1123,6 +1078,41 @@ def clock(cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: Args, is_main: bool) -> None:
+    """Warn once about each problem that keeps a run from learning, when STUCK_STEPS steps in a row show it. streaks:
+    {problem: the steps in a row that showed it, None once warned about}."""
+    problems = {
+        f"most completions were cut at --max-new-tokens {args.max_new_tokens}, none with a right answer: raise it": (
+            metrics["truncated_frac"] > 0.5 and truncated_correct == 0
+        ),
+        "every group's completions got equal rewards: zero advantages, nothing to learn (see completions.jsonl)": (
+            metrics["frac_zero_std_groups"] == 1.0
+        ),
+    }
+    for message, happening in problems.items():
+        if message in streaks and streaks[message] is None:  # warned about already
+            continue
+        streaks[message] = streaks.get(message, 0) + 1
+        if not happening:
+            streaks[message] = 0
+        if streaks[message] == STUCK_STEPS:
+            print0(f"warning: {STUCK_STEPS} steps in a row: {message}", file=sys.stderr, enabled=is_main)
+            streaks[message] = None
+
+
+def completion_rows(sampled: Round, advantages: torch.Tensor, group_size: int) -> list[dict]:
+    """The first completion of each group (8 at most): prompt, text, rewards and advantage, for completions.jsonl."""
+    rows = []
+    for i in range(0, len(sampled.completions), group_size)[:8]:
+        row = {"prompt": sampled.rows[i]["prompt"], "completion": sampled.completions[i]}
+        row["reward"] = sampled.reward[i].item()
+        for name, values in sampled.rewards.items():
+            row[f"reward_{name}"] = values[i].item()
+        row["advantage"] = advantages[i].item()
+        rows.append(row)
+    return rows
 
 
 def update_stats(logged: list[dict], num_minibatches: int, device) -> dict:
@@ -1143,43 +1133,6 @@ def update_stats(logged: list[dict], num_minibatches: int, device) -> dict:
     return means
 
 
-STUCK_STEPS = 5  # steps in a row of a problem that stops learning before it is warned about
-MAX_BAD_STEPS = 3  # updates in a row with a non-finite loss (each one skipped) that stop the run
-
-
-def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: Args, is_main: bool) -> None:
-    """Warn once about each problem that keeps a run from learning, when a step shows it STUCK_STEPS times in a row."""
-    problems = {
-        f"most completions were cut at --max-new-tokens {args.max_new_tokens}, none with a right answer: raise it": (
-            metrics["truncated_frac"] > 0.5 and truncated_correct == 0
-        ),
-        "every group's completions got equal rewards: zero advantages, nothing to learn (see completions.jsonl)": (
-            metrics["frac_zero_std_groups"] == 1.0
-        ),
-    }
-    for message, happening in problems.items():
-        streaks[message] = streaks.get(message, 0) + 1 if happening else 0
-        if streaks[message] == STUCK_STEPS:
-            print0(f"warning: {STUCK_STEPS} steps in a row: {message}", file=sys.stderr, enabled=is_main)
-            streaks[message] = -math.inf  # once: the streak never reaches STUCK_STEPS again
-
-
-def completion_rows(sampled: Round, advantages, group_size: int) -> list[dict]:
-    """The first completion of each group (8 at most): prompt, text, rewards and advantage, for completions.jsonl."""
-    rows = []
-    for i in range(0, len(sampled.completions), group_size)[:8]:
-        row = {
-            "prompt": sampled.rows[i]["prompt"],
-            "completion": sampled.completions[i],
-            "reward": sampled.reward[i].item(),
-        }
-        for name, values in sampled.rewards.items():
-            row[f"reward_{name}"] = values[i].item()
-        row["advantage"] = advantages[i].item()
-        rows.append(row)
-    return rows
-
-
 def benchmark_summary(history: list[dict], cuda: bool) -> dict:
     """Time per step and per phase, generated and trained tokens/s, peak memory and MFU of a run's steps."""
     timed = history[1:] or history  # the first step warms up: it is left out of the means and rates
@@ -1197,6 +1150,14 @@ def benchmark_summary(history: list[dict], cuda: bool) -> dict:
         summary["peak_memory_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     summary["mfu"] = totals["mfu"] / max(len(timed), 1)
     return summary
+
+
+# the flags a resumed run may change; every other flag defines the run and must be its checkpoint's
+MAY_CHANGE_ON_RESUME = (
+    "total_steps eval_every eval_batch_size num_eval_rows eval_data_path eval_num_samples log_completions_every"
+    " save_every keep_checkpoints resume_from output_dir overwrite track wandb_project_name micro_batch_size"
+    " gradient_checkpointing"
+).split()
 
 
 def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: dict | None = None) -> None:
@@ -1231,7 +1192,10 @@ def checkpoint_steps(output_dir: str) -> list[int]:
 
 
 def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None]:
-    """(output directory, checkpoint to resume from or None, the summary of a resumed run that is already finished)."""
+    """(output directory, checkpoint to resume from or None, the summary of a resumed run that is already finished).
+
+    A directory holds a run when it holds a checkpoint or a final model: what a crash leaves (logs) is no run.
+    """
     stamp = torch.tensor([time.time()], dtype=torch.float64, device=device)
     if dist.is_initialized():  # rank 0's clock: one run name everywhere
         dist.broadcast(stamp, src=0)
@@ -1241,18 +1205,18 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
     if output_dir is None:
         output_dir = os.path.join("runs", f"grpo__{args.seed}__{int(stamp.item())}")
     steps = checkpoint_steps(output_dir)
-    if args.resume_from is None:  # a new run; a directory with no checkpoint and no final model holds none
+    if args.resume_from is None:
         if (steps or os.path.isdir(os.path.join(output_dir, "final"))) and not args.overwrite:
             raise UserError(
                 f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it, "
                 "or pass another --output-dir"
             )
-        if int(os.environ.get("RANK", 0)) == 0:
-            for name in ["final", *[f"checkpoint-{step}" for step in steps]]:
-                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-            for name in RUN_FILES:
-                if os.path.isfile(os.path.join(output_dir, name)):
-                    os.remove(os.path.join(output_dir, name))
+        leftovers = ["final", "summary.json", "metrics.jsonl", "completions.jsonl"]
+        for path in [os.path.join(output_dir, name) for name in leftovers + [f"checkpoint-{s}" for s in steps]]:
+            if int(os.environ.get("RANK", 0)) == 0 and os.path.isdir(path):
+                shutil.rmtree(path)
+            if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(path):
+                os.remove(path)
         return output_dir, None, None
     resume = args.resume_from
     if resume == "latest" and steps:
@@ -1276,7 +1240,7 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
             return output_dir, None, summary
     if resume == "latest":
         raise UserError(
-            f"--resume-from latest: {output_dir} holds no checkpoint (runs write them with --save-every N, and when "
+            f"--resume-from latest: {output_dir} holds no checkpoint (a run writes them with --save-every N, and when "
             "stopped by a signal); --overwrite starts it anew"
         )
     return output_dir, resume, None
@@ -1307,7 +1271,10 @@ def check_args(args: Args, world_size: int) -> None:
     micro_ok = args.micro_batch_size == 0 or (args.micro_batch_size > 0 and local_rows % args.micro_batch_size == 0)
     checks = [
         (args.group_size < 2, "--group-size must be at least 2: advantages compare the completions of a prompt"),
-        (not 0 < args.clip_eps_low < 1 or not 0 < args.clip_eps_high < 1, "--clip-eps-low/high must be in (0, 1)"),
+        (
+            not 0 < args.clip_eps_low <= 1 or args.clip_eps_high <= 0,
+            "--clip-eps-low must be in (0, 1], --clip-eps-high > 0",
+        ),
         (args.learning_rate <= 0 or args.temperature <= 0, "--learning-rate and --temperature must be above 0"),
         (not 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
         (
@@ -1342,13 +1309,9 @@ def train(args: Args) -> dict:
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo")
     bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
-    dtype = torch.float32
-    if bf16:
-        dtype = torch.bfloat16  # the compute dtype, under autocast; trained weights stay fp32
     output_dir, resume_path, finished = prepare_output_dir(args, device)
     if finished is not None:
-        message = f"{output_dir}: the run finished at step {finished['steps']} (a larger --total-steps extends it)"
-        print0(message, enabled=is_main)
+        print0(f"{output_dir}: the run finished at step {finished['steps']}; a larger --total-steps extends it")
         if distributed:
             dist.destroy_process_group()
         return finished
@@ -1364,32 +1327,28 @@ def train(args: Args) -> dict:
         eval_rows = load_jsonl(args.eval_data_path)
     eval_rows = eval_rows[: args.num_eval_rows]
     seed_everything(args.seed)
-    policy, reference = build_policy(args, dtype, resume_path, device)
+    policy, reference = build_policy(args, bf16, resume_path, device)
     model = policy.model
-    tokenizer = policy.tokenizer
-    train_prompts = encode_prompts(tokenizer, train_rows, args)
-    eval_prompts = encode_prompts(tokenizer, eval_rows, args)
-    unknown = sum(tokenizer.unk_token_id in ids for ids in train_prompts)
-    if unknown:  # the model cannot read those characters: a sure way to learn nothing
-        message = f"{unknown} of {len(train_prompts)} training prompts hold the unknown token {tokenizer.unk_token}"
-        print0(f"warning: {message}: this tokenizer cannot spell them", file=sys.stderr, enabled=is_main)
+    train_prompts = encode_prompts(policy.tokenizer, train_rows, args)
+    eval_prompts = encode_prompts(policy.tokenizer, eval_rows, args)
+    unknown = sum(policy.tokenizer.unk_token_id in ids for ids in train_prompts)
+    if unknown:  # characters the tokenizer cannot spell: the model never sees them
+        message = (
+            f"{unknown} of {len(train_prompts)} training prompts hold the unknown token {policy.tokenizer.unk_token}"
+        )
+        print0(f"warning: {message}", file=sys.stderr, enabled=is_main)
     reward_fns = make_reward_fns(args, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=True
-    )
-    start_step = 0
-    data_position = 0  # of the next prompt in the data stream
-    eval_start = {}
-    skipped_updates = 0
+    optimizer = torch.optim.AdamW(trainable, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=True)
+    state = {"step": 0, "data_position": 0, "eval_start": {}, "skipped": 0}
     if resume_path:
         state = restore(resume_path, output_dir, model, optimizer, args)
-        start_step = state["step"]
-        data_position = state["data_position"]
-        eval_start = state["eval_start"]
-        skipped_updates = state["skipped"]
+    start_step = state["step"]
+    data_position = state["data_position"]  # of the next prompt in the data stream
+    eval_start = state["eval_start"]
+    skipped_updates = state["skipped"]
 
-    # ---- Logging and the batch's layout: a process holds whole groups, its minibatches are runs of them
+    # ---- Logging; the batch's layout: a process holds whole groups, its minibatches are runs of them
     logger = RunLogger(
         output_dir,
         asdict(args),
@@ -1402,8 +1361,8 @@ def train(args: Args) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     num_trained = sum(p.numel() for p in trainable)
     print0(
-        f"model {args.model}: {num_params:,} parameters ({num_trained:,} trained), {dtype}, {world_size} process(es); "
-        f"{len(train_rows)} training prompts, {len(eval_rows)} held out",
+        f"model {args.model}: {num_params:,} parameters ({num_trained:,} trained), bf16 {bf16}, {world_size} "
+        f"process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out",
         enabled=is_main,
     )
     local_rows = args.prompts_per_step // world_size * args.group_size  # B: this process's completions per step
@@ -1411,14 +1370,14 @@ def train(args: Args) -> dict:
     minibatches = [range(j * minibatch_rows, (j + 1) * minibatch_rows) for j in range(args.num_minibatches)]
     micro_batch_size = args.micro_batch_size or minibatch_rows
     share_prompts = not (args.gradient_checkpointing or args.fsdp)  # both need one forward pass per micro-batch
-    peak_tflops = 0.0
-    if cuda:
-        peak_tflops = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), 0)
+    importance_sampling = "sequence" if args.policy_loss == "gspo" else "token"  # GSPO: PPO, a ratio per completion
+    policy_loss = "cispo" if args.policy_loss == "cispo" else "ppo"
     completions_every = args.log_completions_every
     if completions_every is None:
         completions_every = args.eval_every
-    importance_sampling = "sequence" if args.policy_loss == "gspo" else "token"  # GSPO: PPO, a ratio per completion
-    policy_loss = "cispo" if args.policy_loss == "cispo" else "ppo"
+    peak_tflops = 0.0
+    if cuda:
+        peak_tflops = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), 0)
 
     def evaluate_held_out() -> dict:  # and print a sample of what the model writes
         metrics, sample = evaluate(policy, eval_prompts, eval_rows, args, reward_fns)
@@ -1430,7 +1389,7 @@ def train(args: Args) -> dict:
         logger.log(0, eval_start)
     eval_end = eval_start
     bad_updates = 0
-    streaks = {}  # steps in a row with a problem that stops learning
+    streaks = {}  # see warn_if_stuck
     history = []
     stopped = False
     stop_signals = []
@@ -1448,12 +1407,10 @@ def train(args: Args) -> dict:
             sampled, sampling = sample_step(policy, train_rows, train_prompts, reward_fns, data_position, args, timings)
             data_position += sampling["prompts_consumed"]
             batch = sampled.batch
-            rewards = sampled.rewards  # {name: [B]}
-            completion_mask = batch.completion_mask
             rewarded_at = clock(cuda)
 
             # 3. advantages, over every process's groups (the batch's std needs them all)
-            scores = torch.stack([sampled.reward, *rewards.values()]).to(device)  # [1 + R, B]: the total, each reward
+            scores = torch.stack([sampled.reward, *sampled.rewards.values()]).to(device)  # [1 + R, B]: total, each
             if distributed:
                 parts = [torch.empty_like(scores) for _ in range(world_size)]
                 dist.all_gather(parts, scores)
@@ -1461,9 +1418,9 @@ def train(args: Args) -> dict:
             all_advantages = group_advantages(scores[0], args.group_size, args.scale_rewards)  # [W*B]
             advantages = all_advantages[rank * local_rows : (rank + 1) * local_rows]  # [B]
             truncated = ~torch.isin(batch.completion_ids, torch.tensor(policy.eos_ids, device=device)).any(1)  # [B]
-            loss_mask = completion_mask
+            loss_mask = batch.completion_mask
             if args.mask_truncated_completions:
-                loss_mask = completion_mask * ~truncated[:, None]
+                loss_mask = batch.completion_mask * ~truncated[:, None]
 
             # 4. log-probs that stay fixed through the update, without gradients: the reference policy's, for the KL,
             # and the rollout policy's ("old"), which the ratio r = pi / pi_old divides by. Minibatch 0 is trained on
@@ -1471,7 +1428,6 @@ def train(args: Args) -> dict:
             # 5); minibatches 1+ are scored here, by the policy that sampled them.
             plans = [micro_batches(batch, mb, micro_batch_size, args.group_size, share_prompts) for mb in minibatches]
             every_micro_batch = [micro for plan in plans for micro in plan]
-            later_micro_batches = [micro for plan in plans[1:] for micro in plan]
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 ref_logp = torch.zeros_like(batch.sampler_logp)  # unused at --kl-coef 0
                 if args.kl_coef and args.lora_r:
@@ -1479,6 +1435,7 @@ def train(args: Args) -> dict:
                         ref_logp = fixed_logprobs(model, batch, every_micro_batch, args.temperature, policy.vocab_size)
                 elif args.kl_coef:
                     ref_logp = fixed_logprobs(reference, batch, every_micro_batch, args.temperature, policy.vocab_size)
+                later_micro_batches = [micro for plan in plans[1:] for micro in plan]
                 old_logp = fixed_logprobs(model, batch, later_micro_batches, args.temperature, policy.vocab_size)
             referenced_at = clock(cuda)
 
@@ -1511,13 +1468,9 @@ def train(args: Args) -> dict:
                         mask = loss_mask[part, cols]
                         weights = None
                         if args.rollout_correction != "none":
-                            sampler_logp = batch.sampler_logp[part, cols]
+                            correction = (args.rollout_correction, args.rollout_correction_cap)
                             weights, _ = rollout_correction(
-                                old_logp[part, cols],
-                                sampler_logp,
-                                mask,
-                                args.rollout_correction,
-                                args.rollout_correction_cap,
+                                old_logp[part, cols], batch.sampler_logp[part, cols], mask, *correction
                             )
                         loss, stats = grpo_loss(
                             logp,
@@ -1558,50 +1511,42 @@ def train(args: Args) -> dict:
                     else:  # a non-finite loss or gradient would poison the weights: skip the update
                         skipped_updates += 1
                         bad_updates += 1
-                        print0(
-                            f"warning: step {step + 1}: non-finite gradient, update skipped",
-                            file=sys.stderr,
-                            enabled=is_main,
-                        )
-                        if bad_updates >= MAX_BAD_STEPS:
-                            raise UserError(
-                                f"{bad_updates} updates in a row had a non-finite loss or gradient: lower "
-                                "--learning-rate or check the rewards"
-                            )
+                        message = f"step {step + 1}: non-finite gradient, update skipped"
+                        print0(f"warning: {message}", file=sys.stderr, enabled=is_main)
+                    if bad_updates == MAX_BAD_STEPS:
+                        message = f"{MAX_BAD_STEPS} updates in a row had a non-finite loss or gradient"
+                        raise UserError(f"{message}: lower --learning-rate or check the rewards")
                     optimizer.zero_grad(set_to_none=True)
             updated_at = clock(cuda)
 
             # 6. log, evaluate, save; the metrics are over every process
             metrics = {"reward": scores[0].mean(), "reward_std": scores[0].std(), "accuracy": scores[1].mean()}
-            for i, name in enumerate(rewards):
+            for i, name in enumerate(sampled.rewards):
                 metrics[f"reward_{name}"] = scores[1 + i].mean()
             metrics["frac_zero_std_groups"] = (all_advantages.view(-1, args.group_size) == 0).all(1).float().mean()
             metrics.update(update_stats(logged, args.num_minibatches, device))
             metrics["grad_norm"] = np.mean(grad_norms[-args.num_minibatches :])
             metrics["learning_rate"] = get_lr(step, args)
-            gap = (old_logp - batch.sampler_logp).abs() * completion_mask  # trainer vs sampler: same weights, tokens
             corrected = torch.zeros(())
             if args.rollout_correction != "none":
-                mode = args.rollout_correction
-                _, touched = rollout_correction(
-                    old_logp, batch.sampler_logp, completion_mask, mode, args.rollout_correction_cap
-                )
-                corrected = touched.sum()
+                correction = (args.rollout_correction, args.rollout_correction_cap)
+                corrected = rollout_correction(old_logp, batch.sampler_logp, batch.completion_mask, *correction)[
+                    1
+                ].sum()
             counts = {
-                "generated": completion_mask.sum(),
+                "generated": batch.completion_mask.sum(),
                 "truncated": truncated.sum(),
-                "truncated_correct": (truncated.cpu() & (rewards["answer"] > 0)).sum(),
+                "truncated_correct": (truncated.cpu() & (sampled.rewards["answer"] > 0)).sum(),
                 "prompt_tokens": batch.prompt_mask.sum(),
-                "gap": gap.sum(),
-                "stop": len(stop_signals),
+                "gap": ((old_logp - batch.sampler_logp).abs() * batch.completion_mask).sum(),  # same weights, tokens
                 "corrected": corrected,
                 "groups_dropped": sampling["groups_dropped"],
+                "stop": len(stop_signals),
             }
             counts = all_sum(counts, device)
-            num_completions = scores.shape[1]
-            metrics["completion_length"] = counts["generated"] / num_completions
-            metrics["truncated_frac"] = counts["truncated"] / num_completions
-            metrics["logp_gap_mean"] = counts["gap"] / counts["generated"]
+            metrics["completion_length"] = counts["generated"] / scores.shape[1]
+            metrics["truncated_frac"] = counts["truncated"] / scores.shape[1]
+            metrics["logp_gap_mean"] = counts["gap"] / counts["generated"]  # the sampler's against the trainer's
             if args.rollout_correction != "none":
                 metrics["rollout_correction_frac"] = counts["corrected"] / counts["generated"]
             if args.dynamic_sampling:
@@ -1625,29 +1570,22 @@ def train(args: Args) -> dict:
             logger.log(step + 1, metrics)
             history.append(metrics)
             if completions_every and (step + 1) % completions_every == 0:
-                rows = completion_rows(sampled, advantages, args.group_size)
-                logger.log_rows(step + 1, "completions", rows)
+                logger.log_rows(step + 1, "completions", completion_rows(sampled, advantages, args.group_size))
             warn_if_stuck(metrics, counts["truncated_correct"], streaks, args, is_main)
             stopped = counts["stop"] > 0  # a signal to any process stops every process after the same step
-            save_step = args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.total_steps)
-            if save_step or stopped:
-                state = {
-                    "step": step + 1,
-                    "data_position": data_position,
-                    "eval_start": eval_start,
-                    "skipped": skipped_updates,
-                    "rng": torch.get_rng_state(),
-                }
-                save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), model, tokenizer, args, optimizer, state)
-                if is_main and args.keep_checkpoints:
-                    for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints]:
+            if (args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.total_steps)) or stopped:
+                state = {"step": step + 1, "data_position": data_position, "eval_start": eval_start}
+                state["skipped"] = skipped_updates
+                state["rng"] = torch.get_rng_state()
+                save_run(
+                    os.path.join(output_dir, f"checkpoint-{step + 1}"), model, policy.tokenizer, args, optimizer, state
+                )
+                for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints or None]:  # keep 0: keep all
+                    if is_main:
                         shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
             if stopped:
-                print0(
-                    f"stopped by a signal: checkpoint-{step + 1} saved; continue with the same command and "
-                    f"--output-dir {output_dir} --resume-from latest",
-                    enabled=is_main,
-                )
+                message = f"stopped by a signal: checkpoint-{step + 1} saved; continue with the same command and"
+                print0(f"{message} --output-dir {output_dir} --resume-from latest", enabled=is_main)
                 break
     finally:
         for sig, handler in previous_handlers.items():
@@ -1655,7 +1593,7 @@ def train(args: Args) -> dict:
 
     # ---- Final model, evaluation and benchmark summary
     if not stopped:
-        save_run(os.path.join(output_dir, "final"), model, tokenizer, args)
+        save_run(os.path.join(output_dir, "final"), model, policy.tokenizer, args)
         eval_end = evaluate_held_out()
         if eval_rows:
             logger.log(start_step + len(history), eval_end)
