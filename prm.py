@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -66,18 +66,19 @@ class Args:
     seed: int = 1  # seed of model init, built-in data and batch order
     output_dir: str | None = None  # metrics.jsonl, summary.json, checkpoint-STEP/, final/; None = runs/{run name}
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works; WANDB_ENTITY picks the team)
-    wandb_project_name: str = "prm"
+    wandb_project_name: str = "prm"  # the Weights & Biases project of the run, with --track
     # Model and data
     model: str = "tiny"  # `tiny` (a small random-init Llama built here, no download), or a hub id or local path
     data_path: str | None = None  # JSONL rows {"prompt", "completions", "labels"}; None = the built-in task
     eval_data_path: str | None = None  # JSONL held-out rows; None = built-in ones (none with --data-path)
     num_eval_rows: int = 500  # at most this many held-out rows are evaluated
     num_val_rows: int = 200  # rows that only pick the first-error threshold (a tenth of --data-path at most)
-    step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
+    # appended to every step; the step's label sits on its last token
+    step_separator: Annotated[str, tyro.conf.arg(help_behavior_hint=r"(default: '\n', a newline)")] = "\n"
     max_length: int = 1024  # most tokens per row: steps that do not fit whole are dropped (and counted)
     lora_r: int = 0  # LoRA rank on the backbone (the head is always trained in full); 0 = full fine-tuning
     lora_alpha: int = 32  # LoRA scaling numerator (the update is scaled by alpha / r)
-    lora_dropout: float = 0.0
+    lora_dropout: float = 0.0  # dropout on the input of the LoRA adapters
     lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj), or all-linear
     # Loss and optimisation
     loss_kind: Literal["bce", "mse"] = "bce"  # bce: hard or soft labels; mse: squared error of the raw head output
@@ -85,7 +86,7 @@ class Args:
     batch_size: int = 32  # rows per optimiser step, over all processes
     micro_batch_size: int = 0  # rows per forward/backward pass (gradient accumulation); 0 = the local batch
     learning_rate: float = 1e-3  # AdamW (1e-5 is typical for full fine-tuning of real models, 1e-4 for LoRA)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # gradients are clipped to this global L2 norm before each step
     warmup_steps: int = 20  # linear learning-rate warm-up
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up
     # Evaluation, saving, scoring, system
@@ -98,7 +99,7 @@ class Args:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype; auto = bf16 on CUDA (weights stay fp32)
     device: str = "auto"  # auto = cuda when available, else cpu; under torchrun GPU LOCAL_RANK
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more compute
-    pack_rows: bool = True  # examples share rows, little padding computed: 1.2x on prm_small_lora (see 5. above)
+    pack_rows: bool = True  # examples share rows end to end, less padding; --no-pack-rows for recurrent backbones
     fsdp: bool = False  # shard weights, gradients and optimiser state over the processes (FSDP2, under torchrun)
 
 
