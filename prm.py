@@ -110,45 +110,46 @@ class UserError(Exception):
 # ---- Kernels and metrics: tensors or lists in, numbers out. Tests import these.
 
 
-def prm_loss(
-    step_logits: torch.Tensor,
-    labels: torch.Tensor,
-    mask: torch.Tensor,
-    kind: str = "bce",
-    *,
-    num_labelled: float | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """sum(l * mask) / N in fp32 over [B, S] steps (mask 1 on real ones); l = bce: -(y log sigmoid(z) + (1 - y)
-    log(1 - sigmoid(z))) (y in [0, 1]: hard or soft labels) or mse: (z - y)^2 (z, the raw output, is the score). N =
-    num_labelled, the whole batch's count for a part of it (parts then sum to the batch loss), else mask.sum()."""
+def prm_loss(step_logits, labels, mask, kind: str = "bce", *, num_labelled=None) -> tuple[torch.Tensor, dict]:
+    """sum(loss * mask) / num_labelled in fp32, and the step accuracy (score >= 0.5 agreeing with label >= 0.5).
+
+    step_logits, labels, mask: [B, S]; mask 1 on real steps, labels in [0, 1] (hard or soft). Loss per step: bce
+    -(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z))), or mse (z - y)^2 (the raw output z is then the score).
+    num_labelled defaults to mask.sum(); given the whole batch's, the losses of its parts sum to the batch's.
+    """
     mask = mask.bool()
     # padded slots are zeroed first: whatever they hold (even NaN) gets no loss and no gradient
-    logits, labels = step_logits.float().masked_fill(~mask, 0.0), labels.float().masked_fill(~mask, 0.0)
+    logits = step_logits.float().masked_fill(~mask, 0.0)
+    labels = labels.float().masked_fill(~mask, 0.0)
     if kind == "bce":
-        per_step, scores = F.binary_cross_entropy_with_logits(logits, labels, reduction="none"), torch.sigmoid(logits)
+        per_step = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        scores = torch.sigmoid(logits)
     elif kind == "mse":
-        per_step, scores = (logits - labels) ** 2, logits
+        per_step = (logits - labels) ** 2
+        scores = logits
     else:
         raise ValueError(f"kind must be bce or mse, got {kind!r}")
-    loss = per_step.masked_fill(~mask, 0.0).sum() / max(num_labelled if num_labelled is not None else mask.sum(), 1)
+    num_steps = mask.sum()
+    loss = per_step.masked_fill(~mask, 0.0).sum() / max(num_labelled or num_steps, 1)
     agree = ((scores >= 0.5) == (labels >= 0.5)) & mask
-    return loss, {"accuracy": agree.sum().detach() / mask.sum().clamp(min=1), "steps": mask.sum()}
+    return loss, {"accuracy": agree.sum().detach() / num_steps.clamp(min=1), "steps": num_steps}
 
 
 def step_accuracy(scores, labels, threshold: float = 0.5) -> float:
     """Fraction of steps where score >= threshold agrees with label >= 0.5; NaN when empty or a score is NaN."""
-    scores, labels = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
-    return (
-        float(np.mean((scores >= threshold) == (labels >= 0.5)))
-        if len(scores) and not np.isnan(scores).any()
-        else float("nan")
-    )
+    scores = np.asarray(scores, dtype=float)
+    labels = np.asarray(labels, dtype=float)
+    if len(scores) == 0 or np.isnan(scores).any():
+        return float("nan")
+    return float(np.mean((scores >= threshold) == (labels >= 0.5)))
 
 
 def auroc(scores, labels) -> float:
     """P(a correct step outscores a wrong one), ties half (Mann-Whitney U); NaN if a class is absent or a score NaN."""
-    scores, positive = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float) >= 0.5
-    num_pos, num_neg = int(positive.sum()), int((~positive).sum())
+    scores = np.asarray(scores, dtype=float)
+    positive = np.asarray(labels, dtype=float) >= 0.5
+    num_pos = int(positive.sum())
+    num_neg = len(positive) - num_pos
     if num_pos == 0 or num_neg == 0 or np.isnan(scores).any():
         return float("nan")
     order = np.argsort(scores, kind="mergesort")
@@ -158,35 +159,63 @@ def auroc(scores, labels) -> float:
     return float((ranks[positive].sum() - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg))
 
 
+def first_below(values, threshold):
+    """Index of the first value below threshold; -1 if none."""
+    for index, value in enumerate(values):
+        if value < threshold:
+            return index
+    return -1
+
+
 def first_error_f1(step_scores: list, step_labels: list, threshold: float) -> tuple[float, float, float]:
-    """ProcessBench's (f1, acc_err, acc_corr) over solutions: the exact-match rates of the first error (the first
-    label < 0.5, -1: none) by the first score below threshold, on erroneous and on correct solutions (NaN over
-    none), and their harmonic mean. A first error among steps truncated away (no score) is a miss."""
-    hits = {True: [], False: []}  # keyed by "the solution has an error"
+    """ProcessBench's (f1, acc_err, acc_corr) over solutions, each a list of step scores and one of step labels.
+
+    A solution's first error is its first label < 0.5, predicted as its first score < threshold (-1: none).
+    acc_err, acc_corr: the rates of exact predictions on erroneous and on correct solutions (NaN over none); f1
+    their harmonic mean. A first error among steps truncated away (no score) is a miss.
+    """
+    num_erroneous = num_erroneous_hit = num_correct = num_correct_hit = 0  # solutions, and exact predictions on them
     for scores, labels in zip(step_scores, step_labels, strict=True):
-        truth = next((k for k, label in enumerate(labels) if label < 0.5), -1)
-        hits[truth >= 0].append(next((k for k, score in enumerate(scores) if score < threshold), -1) == truth)
-    acc_err, acc_corr = (float(np.mean(hits[key])) if hits[key] else float("nan") for key in (True, False))
-    f1 = 2 * acc_err * acc_corr / (acc_err + acc_corr) if acc_err + acc_corr > 0 else 0.0
-    return (f1 if math.isfinite(acc_err + acc_corr) else float("nan")), acc_err, acc_corr
+        first_error = first_below(labels, 0.5)
+        predicted = first_below(scores, threshold)
+        if first_error >= 0:
+            num_erroneous += 1
+            num_erroneous_hit += predicted == first_error
+        else:
+            num_correct += 1
+            num_correct_hit += predicted == -1
+    acc_err = num_erroneous_hit / num_erroneous if num_erroneous else float("nan")
+    acc_corr = num_correct_hit / num_correct if num_correct else float("nan")
+    if acc_err + acc_corr == 0:
+        return 0.0, acc_err, acc_corr
+    return 2 * acc_err * acc_corr / (acc_err + acc_corr), acc_err, acc_corr  # (NaN when either rate is)
 
 
 def choose_threshold(step_scores: list, step_labels: list) -> float:
-    """The best first-error F1's threshold on these (validation) solutions among all that predict differently: the
-    midpoints of neighbouring distinct scores and one beyond each end (ties: the lowest); 0.5 where F1 is NaN or 0."""
-    values = np.unique([s for scores in step_scores for s in scores])
+    """The threshold of the best first-error F1 on these (validation) solutions, the lowest among ties, out of one
+    between each two neighbouring distinct scores and one beyond each end; 0.5 where the best F1 is NaN or 0."""
+    values = np.unique([score for scores in step_scores for score in scores])  # sorted, distinct
     if len(values) == 0 or not np.isfinite(values).all():
         return 0.5
-    midpoints = (values[1:] + values[:-1]) / 2  # (the upper score where two are one float apart)
-    candidates = [values[0] - 1, *np.where(midpoints > values[:-1], midpoints, values[1:]), values[-1] + 1]
+    midpoints = (values[1:] + values[:-1]) / 2
+    # two scores one float apart have no float strictly between them: the upper one then splits them
+    between = np.where(midpoints > values[:-1], midpoints, values[1:])
+    candidates = [values[0] - 1, *between, values[-1] + 1]
     f1 = np.nan_to_num([first_error_f1(step_scores, step_labels, threshold)[0] for threshold in candidates])
-    return float(candidates[int(np.argmax(f1))]) if f1.max() > 0 else 0.5
+    best = int(np.argmax(f1))  # the first best: the lowest threshold
+    if f1[best] <= 0:
+        return 0.5
+    return float(candidates[best])
 
 
 def aggregate_scores(scores: list[float], how: str) -> float:
     """One number per solution: min (Math-Shepherd), prod (Lightman), last or mean; 0.0 with no scored step."""
-    reducers = {"min": np.min, "prod": np.prod, "last": lambda values: values[-1], "mean": np.mean}
-    return float(reducers[how](scores)) if len(scores) else 0.0
+    if len(scores) == 0:
+        return 0.0
+    if how == "last":
+        return float(scores[-1])
+    reduce = {"min": np.min, "prod": np.prod, "mean": np.mean}[how]
+    return float(reduce(scores))
 
 
 # ---- The built-in task and JSONL data.
