@@ -226,63 +226,75 @@ def aggregate_scores(scores: list[float], how: str) -> float:
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=%()., \n")
 TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 BUILTIN_HELD_OUT = 2000  # built-in rows never trained on: validation, then eval
+ROW_FORMAT = 'rows are {"prompt": str, "completions": [str, ...], "labels": [bool or 0..1, ...]}'
 
 
-def make_solution(rng: random.Random, min_steps: int = 3, max_steps: int = 6, p_error: float = 0.8) -> dict:
+def make_solution(rng: random.Random, min_steps=3, max_steps=6, p_error=0.8):
     """One built-in row: with probability p_error one step (uniform) restates a wrong value."""
-    num_steps, value = rng.randint(min_steps, max_steps), rng.randint(0, 4)
-    prompt, steps = f"start {value}\n", []
-    error_at = rng.randrange(num_steps) if rng.random() < p_error else num_steps
+    num_steps = rng.randint(min_steps, max_steps)
+    value = rng.randint(0, 4)
+    prompt = f"start {value}\n"
+    error_at = num_steps  # no error
+    if rng.random() < p_error:
+        error_at = rng.randrange(num_steps)
+    steps = []
     for k in range(num_steps):
-        stated = rng.choice([v for v in range(5) if v != value]) if k == error_at else value
+        stated = value
+        if k == error_at:
+            stated = rng.choice([v for v in range(5) if v != value])
         change = rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if 0 <= stated + d <= 4])
         value = stated + change
-        steps.append(f"{stated}{'+' if change > 0 else '-'}{abs(change)}={value}")
+        steps.append(f"{stated}{change:+d}={value}")
     return {"prompt": prompt, "completions": steps, "labels": [float(k < error_at) for k in range(num_steps)]}
 
 
-def builtin_task(seed: int, num_val: int, num_eval: int, num_train: int = 10000) -> tuple[list, list, list]:
+def builtin_task(seed, num_val, num_eval, num_train=10000):
     """Distinct rows: train, validation, eval. The held-out pool is fixed whatever num_val and num_eval are."""
-    rng, unique = random.Random(seed), {}
+    rng = random.Random(seed)
+    unique = {}
     while len(unique) < num_train + BUILTIN_HELD_OUT:
         row = make_solution(rng)
         unique.setdefault((row["prompt"], *row["completions"]), row)
     rows = list(unique.values())
     rng.shuffle(rows)
-    return rows[BUILTIN_HELD_OUT:], rows[:num_val], rows[num_val:BUILTIN_HELD_OUT][:num_eval]
+    held_out = rows[:BUILTIN_HELD_OUT]
+    return rows[BUILTIN_HELD_OUT:], held_out[:num_val], held_out[num_val:][:num_eval]
 
 
-def parse_row(line: str, need_labels: bool) -> dict:
+def parse_row(line, need_labels):
     """One JSONL row, checked (a ValueError says what is wrong); without need_labels, returned as given."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"not JSON ({error.msg})") from None
-    for name, kind in {"prompt": str, "completions": list, **({"labels": list} if need_labels else {})}.items():
-        if (
-            not isinstance(row, dict)
-            or not isinstance(row.get(name), kind)
-            or (name == "completions" and not all(isinstance(step, str) for step in row[name]))
-        ):
-            raise ValueError(
-                f'needs a field "{name}" ({"list of str" if name == "completions" else kind.__name__}); '
-                'rows are {"prompt": str, "completions": [str, ...], "labels": [bool or 0..1, ...]}'
-            )
-    if need_labels and len(row["labels"]) != len(row["completions"]):
-        raise ValueError(f"{len(row['labels'])} labels for {len(row['completions'])} steps: one label per step")
-    for label in row["labels"] if need_labels else []:  # (NaN fails the comparison too)
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        raise ValueError(f'needs a field "prompt" (str); {ROW_FORMAT}')
+    completions = row.get("completions")
+    if not isinstance(completions, list) or not all(isinstance(step, str) for step in completions):
+        raise ValueError(f'needs a field "completions" (list of str); {ROW_FORMAT}')
+    if not need_labels:
+        return row
+    labels = row.get("labels")
+    if not isinstance(labels, list):
+        raise ValueError(f'needs a field "labels" (list); {ROW_FORMAT}')
+    if len(labels) != len(completions):
+        raise ValueError(f"{len(labels)} labels for {len(completions)} steps: one label per step")
+    for label in labels:  # (NaN fails the comparison too)
         if not isinstance(label, (bool, int, float)) or not 0 <= label <= 1:
             raise ValueError(f"label {label!r}: labels must be bools or numbers in [0, 1]")
-    return {**row, "labels": [float(y) for y in row["labels"]]} if need_labels else row
+    return {**row, "labels": [float(label) for label in labels]}
 
 
-def load_rows(path: str, need_labels: bool = True) -> list[dict]:
+def load_rows(path, need_labels=True):
+    """The rows of a JSONL file, blank lines skipped; a bad row is a UserError naming its line."""
     if not os.path.isfile(path):
         raise UserError(f"data file {path} does not exist")
     rows = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
-            rows += [parse_row(line, need_labels)] if line.strip() else []
+            rows.append(parse_row(line, need_labels))
         except ValueError as problem:
             raise UserError(f"{path}:{number}: {problem}") from None
     if not rows:
