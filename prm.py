@@ -305,14 +305,15 @@ def load_rows(path, need_labels=True):
 # ---- Tokenisation: the one function that training, evaluation and scoring share.
 
 
-def build_prm_example(
-    tokenizer, prompt: str, steps: list[str], *, step_separator: str, max_length: int
-) -> tuple[list[int], list[int]]:
-    """`[bos] prompt step1 sep step2 sep ...` -> (input_ids, label_positions), the prompt and each `step + sep`
-    tokenised apart so that no BPE merge crosses a step boundary: label_positions[k] is the last token of `step k +
-    sep`. Steps that do not fit whole in max_length are dropped with all later ones."""
+def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separator: str, max_length: int):
+    """`[bos] prompt step1 sep step2 sep ...` -> (input_ids, label_positions), label_positions[k] the last token of
+    `step k + sep`. The prompt and each `step + sep` are tokenised apart, so no BPE merge crosses a step boundary.
+    Steps that do not fit whole in max_length are dropped, with all later ones."""
     pieces = tokenizer([prompt] + [step + step_separator for step in steps], add_special_tokens=False)["input_ids"]
-    input_ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(pieces[0])
+    input_ids = []
+    if tokenizer.bos_token_id is not None:
+        input_ids.append(tokenizer.bos_token_id)
+    input_ids += pieces[0]
     if len(input_ids) > max_length:
         return input_ids[:max_length], []
     label_positions = []
@@ -326,48 +327,59 @@ def build_prm_example(
     return input_ids, label_positions
 
 
-def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int) -> list[dict]:
+def encode_rows(tokenizer, rows, step_separator, max_length):
     """One example {input_ids, positions, labels (of the kept steps), all_labels} per row."""
     examples = []
     for row in rows:
         input_ids, positions = build_prm_example(
             tokenizer, row["prompt"], row["completions"], step_separator=step_separator, max_length=max_length
         )
-        examples.append(
-            {
-                "input_ids": input_ids,
-                "positions": positions,
-                "labels": row["labels"][: len(positions)],
-                "all_labels": row["labels"],
-            }
-        )
+        kept_labels = row["labels"][: len(positions)]
+        examples.append(dict(input_ids=input_ids, positions=positions, labels=kept_labels, all_labels=row["labels"]))
     return examples
 
 
-def collate(examples: list[dict], pad_id: int, device, pack: bool = False) -> dict:
-    """input_ids, position_ids [R, T]; label positions, labels (-1: none) [R, S]; right-padded, pads at position 0.
-    One row per example, or (pack) rows of about twice the longest example (short rows keep attention cheap): each
-    example, longest first, joins the shortest row, position ids restarting (transformers' causal mask splits them)."""
-    lengths = [len(e["input_ids"]) for e in examples]
-    rows = [[] for _ in range(-(-sum(lengths) // (2 * max(lengths))))] if pack else [[e] for e in examples]
-    for e in sorted(examples, key=lambda e: -len(e["input_ids"])) if pack else []:
-        min(rows, key=lambda row: sum(len(x["input_ids"]) for x in row)).append(e)
-    fields = {"input_ids": [], "position_ids": [], "positions": [], "labels": []}
-    for row in rows:
-        starts = np.cumsum([0] + [len(e["input_ids"]) for e in row])  # each example's first index in the row
-        fields["input_ids"].append([t for e in row for t in e["input_ids"]])
-        fields["position_ids"].append([p for e in row for p in range(len(e["input_ids"]))])
-        fields["positions"].append([start + p for e, start in zip(row, starts) for p in e["positions"]])
-        fields["labels"].append([y for e in row for y in e["labels"] or [0.0] * len(e["positions"])])
-    fill = {"input_ids": pad_id, "labels": -1.0}  # 0 for position ids and label positions
-    return {
-        key: pad_sequence(
-            [torch.tensor(v, dtype=torch.float32 if key == "labels" else torch.long) for v in values],
-            True,
-            fill.get(key, 0),
-        ).to(device)
-        for key, values in fields.items()
-    }
+def pack_examples(examples):
+    """The examples in rows of about twice the longest one (short rows keep attention cheap), longest first."""
+    lengths = [len(example["input_ids"]) for example in examples]
+    num_rows = math.ceil(sum(lengths) / (2 * max(lengths)))
+    rows = [[] for _ in range(num_rows)]
+    row_lengths = [0] * num_rows
+    for example in sorted(examples, key=lambda example: -len(example["input_ids"])):  # each into the shortest row
+        shortest = row_lengths.index(min(row_lengths))
+        rows[shortest].append(example)
+        row_lengths[shortest] += len(example["input_ids"])
+    return rows
+
+
+def join_examples(examples):
+    """One row: the examples' tokens end to end, position ids restarting, label positions shifted to match."""
+    row = {"input_ids": [], "position_ids": [], "positions": [], "labels": []}
+    for example in examples:
+        start = len(row["input_ids"])
+        row["input_ids"] += example["input_ids"]
+        row["position_ids"] += range(len(example["input_ids"]))
+        row["positions"] += [start + position for position in example["positions"]]
+        row["labels"] += example["labels"] or [0.0] * len(example["positions"])  # (scoring: no labels)
+    return row
+
+
+def collate(examples, pad_id, device, pack=False):
+    """Examples as right-padded tensors: input_ids, position_ids [R, T]; label positions, labels [R, S]. One
+    example per row, or (pack) several end to end, position ids restarting, which transformers' causal mask keeps
+    apart. Pads: pad_id in input_ids, 0 in position ids and label positions, -1 in labels (no step there).
+        input_ids     bos a a b |  bos c d |  pad    (two examples packed, labels on their separators |)
+        position_ids  0   1 2 3 4  0   1 2 3  0      label positions [4, 8]
+    """
+    if pack:
+        rows = [join_examples(group) for group in pack_examples(examples)]
+    else:
+        rows = [join_examples([example]) for example in examples]
+    batch = {}
+    for key, pad in {"input_ids": pad_id, "position_ids": 0, "positions": 0, "labels": -1.0}.items():
+        tensors = [torch.tensor(row[key], dtype=torch.float32 if key == "labels" else torch.long) for row in rows]
+        batch[key] = pad_sequence(tensors, batch_first=True, padding_value=pad).to(device)
+    return batch
 
 
 # ---- Model: backbone without LM head + fp32 scalar head; save, load, score.
