@@ -385,115 +385,97 @@ def collate(examples, pad_id, device, pack=False):
 # ---- Model: backbone without LM head + fp32 scalar head; save, load, score.
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer():
     """A character-level tokenizer over the built-in task's alphabet (one token per character)."""
-    tokenizer = Tokenizer(
-        models.BPE(vocab={t: i for i, t in enumerate(TINY_SPECIALS + TINY_CHARS)}, merges=[], unk_token="<unk>")
-    )
+    vocab = {token: index for index, token in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.add_special_tokens(TINY_SPECIALS)
     tokenizer.decoder = decoders.Fuse()
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        model_max_length=1024,
-    )
+    specials = dict(pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=1024, **specials)
 
 
 class ProcessRewardModel(torch.nn.Module):
     """Backbone + fp32 `Linear(hidden, 1)` at each step's label token; `.config`: what scoring needs."""
 
-    def __init__(self, backbone, tokenizer, config: dict):
+    def __init__(self, backbone, tokenizer, config):
         super().__init__()
-        self.backbone, self.tokenizer, self.config = backbone, tokenizer, config
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.config = config
         self.head = torch.nn.Linear(backbone.config.hidden_size, 1, dtype=torch.float32)
 
-    def forward(self, input_ids, position_ids, positions) -> torch.Tensor:  # [B, T], [B, T], [B, S] -> [B, S]
+    def forward(self, input_ids, position_ids, positions):
+        """input_ids, position_ids [B, T]; positions [B, S], the label tokens -> step logits [B, S]."""
         hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        rows = torch.arange(len(positions), device=positions.device)[:, None]
+        rows = torch.arange(len(positions), device=positions.device)[:, None]  # [B, 1]
         with torch.autocast(hidden.device.type, enabled=False):  # the head in fp32, at the label tokens only
             return self.head(hidden[rows, positions].float()).squeeze(-1)
 
 
-def build_prm(args: Args, dtype: torch.dtype, resume_path: str | None = None):
-    """A PRM on the CPU computing in `dtype` (autocast) with fp32 weights, but a hub model's frozen LoRA base stored in
-    `dtype` (without FSDP); and a copy of the tiny base when an adapter must be saved beside it."""
+def build_prm(args, dtype, resume_path=None):
+    """A PRM on the CPU (with a checkpoint's weights when resuming) computing in `dtype` under autocast, its weights
+    fp32 but a hub model's frozen LoRA base (without FSDP); and with LoRA, a copy of the tiny base to save."""
     if args.model == "tiny":  # a 3-layer, 64-wide Llama, random init from the seed
         tokenizer = build_tiny_tokenizer()
-        backbone = LlamaModel(
-            LlamaConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=64,
-                intermediate_size=256,
-                num_hidden_layers=3,
-                num_attention_heads=4,
-                pad_token_id=0,
-            )
-        )
+        sizes = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4)
+        backbone = LlamaModel(LlamaConfig(vocab_size=len(tokenizer), pad_token_id=0, **sizes))
     elif not os.path.isdir(args.model) and args.model.startswith((".", "/", "~")):
         raise UserError(f"--model {args.model} does not exist")
     else:
+        weights_dtype = dtype if args.lora_r and not args.fsdp else torch.float32  # only a frozen base in `dtype`
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        backbone = AutoModel.from_pretrained(args.model, dtype=torch.float32 if args.fsdp or not args.lora_r else dtype)
-    base_copy, base = None, os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+        backbone = AutoModel.from_pretrained(args.model, dtype=weights_dtype)
+    # how prm_config.json names the base: a hub id, an absolute path, or "base" (saved beside the adapter)
+    base_model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+    base_copy = None
     if args.lora_r > 0:
         if args.model == "tiny":  # random weights, which no name reloads: saved beside the adapter
-            base_copy, base = copy.deepcopy(backbone), "base"
+            base_copy = copy.deepcopy(backbone)
+            base_model = "base"
         targets = args.lora_target_modules
-        backbone = get_peft_model(
-            backbone,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                lora_dropout=args.lora_dropout,
-                task_type="FEATURE_EXTRACTION",
-                target_modules=targets if targets == "all-linear" else targets.split(","),
-            ),
+        lora_config = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            task_type="FEATURE_EXTRACTION",
+            target_modules=targets if targets == "all-linear" else targets.split(","),
         )
-    prm = ProcessRewardModel(
-        backbone,
-        tokenizer,
-        {
-            "base_model": base,
-            "lora": args.lora_r > 0,
-            "step_separator": args.step_separator,
-            "max_length": args.max_length,
-            "loss_kind": args.loss_kind,
-            "dtype": str(dtype).removeprefix("torch."),
-        },
-    )
+        backbone = get_peft_model(backbone, lora_config)
+    prm_config = {
+        "base_model": base_model,
+        "lora": args.lora_r > 0,
+        "step_separator": args.step_separator,
+        "max_length": args.max_length,
+        "loss_kind": args.loss_kind,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    prm = ProcessRewardModel(backbone, tokenizer, prm_config)
     if resume_path:  # the checkpoint's weights: the adapter (LoRA) or the backbone, and the head
-        weights = load_file(os.path.join(resume_path, f"{'adapter_model' if args.lora_r else 'model'}.safetensors"))
-        set_peft_model_state_dict(prm.backbone, weights) if args.lora_r else prm.backbone.load_state_dict(weights)
+        if args.lora_r:
+            set_peft_model_state_dict(prm.backbone, load_file(os.path.join(resume_path, "adapter_model.safetensors")))
+        else:
+            prm.backbone.load_state_dict(load_file(os.path.join(resume_path, "model.safetensors")))
         prm.head.load_state_dict(load_file(os.path.join(resume_path, "reward_head.safetensors")))
     return prm, base_copy
 
 
-def save_prm(
-    path: str,
-    prm: ProcessRewardModel,
-    base_backbone=None,
-    weights: dict | None = None,
-    args: Args | None = None,
-    trainer_state: dict | None = None,
-    step: int | None = None,
-) -> None:
-    """Backbone or LoRA adapter (base_backbone under base/), reward_head.safetensors, tokenizer, prm_config.json (a
-    checkpoint: args.json, trainer_state.pt too); weights: a sharded PRM's, gathered. Written to PATH.tmp, renamed."""
-    weights, temporary = prm.state_dict() if weights is None else weights, path.rstrip("/") + ".tmp"
+def save_prm(path: str, prm, base_backbone=None, weights=None, args=None, trainer_state=None, step=None) -> None:
+    """Backbone or LoRA adapter (base_backbone under base/), reward_head.safetensors, tokenizer, prm_config.json,
+    and for a checkpoint args.json and trainer_state.pt; weights: a sharded PRM's, gathered. Written to PATH.tmp,
+    then renamed: a save cut short leaves no half PRM."""
+    if weights is None:
+        weights = prm.state_dict()
+    temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
     backbone = {name.removeprefix("backbone."): w for name, w in weights.items() if name.startswith("backbone.")}
     prm.backbone.save_pretrained(temporary, state_dict=backbone, max_shard_size="1000GB")  # one file, to reload
     if base_backbone is not None:
         base_backbone.save_pretrained(os.path.join(temporary, "base"))
     prm.tokenizer.save_pretrained(temporary)
-    save_file(
-        {name: weights[f"head.{name}"].detach().float().contiguous().cpu() for name in ("weight", "bias")},
-        os.path.join(temporary, "reward_head.safetensors"),
-    )
+    head = {name: weights[f"head.{name}"].detach().float().contiguous().cpu() for name in ("weight", "bias")}
+    save_file(head, os.path.join(temporary, "reward_head.safetensors"))
     Path(temporary, "prm_config.json").write_text(json.dumps({**prm.config, "step": step}, indent=2))
     if trainer_state is not None:
         Path(temporary, "args.json").write_text(json.dumps(asdict(args), indent=2))
@@ -509,68 +491,63 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
     config = json.loads(Path(path, "prm_config.json").read_text())
     dtype = dtype or getattr(torch, config["dtype"])
     config["dtype"] = str(dtype).removeprefix("torch.")  # what predict computes in
-    base = os.path.join(path, "base") if config["base_model"] == "base" else config["base_model"]
-    backbone = AutoModel.from_pretrained(
-        base if config["lora"] else path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    backbone = PeftModel.from_pretrained(backbone, path) if config["lora"] else backbone
-    prm = ProcessRewardModel(backbone, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code), config)
+    if config["lora"]:
+        base = config["base_model"]
+        if base == "base":  # the tiny model's random weights, saved beside the adapter
+            base = os.path.join(path, "base")
+        backbone = AutoModel.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
+        backbone = PeftModel.from_pretrained(backbone, path)
+    else:
+        backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    prm = ProcessRewardModel(backbone, tokenizer, config)
     prm.head.load_state_dict(load_file(os.path.join(path, "reward_head.safetensors")))
     return prm.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
 
 
 @torch.no_grad()
-def predict(prm: ProcessRewardModel, examples: list[dict], batch_size: int) -> list[list[float]]:
+def predict(prm, examples, batch_size):
     """Scores of every kept step: sigmoid(logit) for bce, the raw output for mse; batched by length."""
-    was_training, device, dtype = prm.training, prm.head.weight.device, getattr(torch, prm.config["dtype"])
+    was_training = prm.training
+    device = prm.head.weight.device
+    dtype = getattr(torch, prm.config["dtype"])
     prm.eval()
-    order = sorted((i for i, e in enumerate(examples) if e["positions"]), key=lambda i: len(examples[i]["input_ids"]))
-    scores: list[list[float]] = [[] for _ in examples]  # an example with no step kept has no score
+    scores = [[] for _ in examples]  # an example with no step kept has no score
+    with_steps = [i for i, example in enumerate(examples) if example["positions"]]
+    order = sorted(with_steps, key=lambda i: len(examples[i]["input_ids"]))
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         batch = collate([examples[i] for i in chunk], prm.tokenizer.pad_token_id or 0, device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = prm(batch["input_ids"], batch["position_ids"], batch["positions"])  # [b, S]
-        # fp64: fp32's sigmoid is exactly 1.0 past a logit of 16.6, which would tie confident steps
-        values = torch.sigmoid(logits.double()) if prm.config["loss_kind"] == "bce" else logits
+            values = prm(batch["input_ids"], batch["position_ids"], batch["positions"])  # [b, S]
+        if prm.config["loss_kind"] == "bce":
+            # fp64: fp32's sigmoid is exactly 1.0 past a logit of 16.6, which would tie confident steps
+            values = torch.sigmoid(values.double())
         for row, i in enumerate(chunk):
             scores[i] = values[row, : len(examples[i]["positions"])].tolist()
     prm.train(was_training)
     return scores
 
 
-def score_steps(
-    prm: ProcessRewardModel, prompts: list[str], steps: list[list[str]], batch_size: int = 32
-) -> list[list[float]]:
+def score_steps(prm, prompts: list[str], steps: list[list[str]], batch_size: int = 32) -> list[list[float]]:
     """One score per kept step of each solution (none past the PRM's max_length), tokenised as in training."""
-    examples = [
-        dict(
-            zip(
-                ("input_ids", "positions"),
-                build_prm_example(
-                    prm.tokenizer,
-                    prompt,
-                    solution,
-                    step_separator=prm.config["step_separator"],
-                    max_length=prm.config["max_length"],
-                ),
-            ),
-            labels=None,
-        )
-        for prompt, solution in zip(prompts, steps, strict=True)
-    ]
+    rows = [{"prompt": p, "completions": s, "labels": []} for p, s in zip(prompts, steps, strict=True)]
+    examples = encode_rows(prm.tokenizer, rows, prm.config["step_separator"], prm.config["max_length"])
     return predict(prm, examples, batch_size)
 
 
-def evaluate(prm: ProcessRewardModel, val_examples: list[dict], eval_examples: list[dict], batch_size: int) -> dict:
+def evaluate(prm, val_examples, eval_examples, batch_size):
     """The first-error threshold chosen on the validation rows, every metric taken on the eval rows."""
-    threshold = choose_threshold(predict(prm, val_examples, batch_size), [e["all_labels"] for e in val_examples])
-    scores, labels = predict(prm, eval_examples, batch_size), [e["all_labels"] for e in eval_examples]
-    flat = [s for row in scores for s in row]
-    flat_labels = [y for row, all_labels in zip(scores, labels) for y in all_labels[: len(row)]]  # of the scored steps
+    val_labels = [example["all_labels"] for example in val_examples]
+    threshold = choose_threshold(predict(prm, val_examples, batch_size), val_labels)
+    scores = predict(prm, eval_examples, batch_size)
+    labels = [example["all_labels"] for example in eval_examples]
+    # the step metrics over the scored steps (none past max_length); first-error F1 over every label
+    flat_scores = [score for row in scores for score in row]
+    flat_labels = [label for row, row_labels in zip(scores, labels) for label in row_labels[: len(row)]]
     return {
-        "eval_step_accuracy": step_accuracy(flat, flat_labels),
-        "eval_auroc": auroc(flat, flat_labels),
+        "eval_step_accuracy": step_accuracy(flat_scores, flat_labels),
+        "eval_auroc": auroc(flat_scores, flat_labels),
         "eval_first_error_f1": first_error_f1(scores, labels, threshold)[0],
         "eval_threshold": threshold,
     }
