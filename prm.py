@@ -573,99 +573,81 @@ RUN_DEFINING = (
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0}  # dense bf16
 
 
-def check_flags(args: Args, world: int) -> None:
-    for ok, message in (
-        (
-            min(
-                args.batch_size,
-                args.total_steps,
-                args.max_length,
-                args.eval_batch_size,
-                args.learning_rate,
-                args.max_grad_norm,
-            )
-            > 0,
-            "--batch-size, --total-steps, --max-length, --eval-batch-size, --learning-rate "
-            "and --max-grad-norm must be > 0",
-        ),
-        (
-            min(
-                args.warmup_steps,
-                args.eval_every,
-                args.save_every,
-                args.num_eval_rows,
-                args.num_val_rows,
-                args.lora_r,
-                args.micro_batch_size,
-            )
-            >= 0,
-            "--warmup-steps, --eval-every, --save-every, --num-eval-rows, "
-            "--num-val-rows, --lora-r and --micro-batch-size must be >= 0",
-        ),
-        (
-            args.batch_size % world == 0 and args.micro_batch_size <= args.batch_size // world,
-            f"--batch-size must be a multiple of the {world} processes, --micro-batch-size at most each one's share",
-        ),
-        (not args.fsdp or "RANK" in os.environ, "--fsdp shards over processes: it needs a launch by torchrun"),
-    ):
-        if not ok:
-            raise UserError(message)
+def check_flags(args, world):
+    """The flag values users get wrong, each a one-line UserError before anything is loaded."""
+    for name in ["batch_size", "total_steps", "max_length", "eval_batch_size", "learning_rate", "max_grad_norm"]:
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0")
+    for name in ["warmup_steps", "eval_every", "save_every", "num_eval_rows", "num_val_rows", "lora_r"]:
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.batch_size % world != 0:
+        raise UserError(f"--batch-size must be a multiple of the {world} processes")
+    if not 0 <= args.micro_batch_size <= args.batch_size // world:
+        raise UserError("--micro-batch-size must be >= 0 and at most each process's share of --batch-size")
+    if args.fsdp and "RANK" not in os.environ:
+        raise UserError("--fsdp shards over processes: it needs a launch by torchrun")
 
 
-def shard_prm(prm: ProcessRewardModel, device: torch.device, dtype: torch.dtype) -> None:
+def shard_prm(prm, device, dtype):
     """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), a unit per transformer block, the
     head one in fp32; gradients reduced in fp32 and summed: each process's loss is a share of the batch mean."""
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    blocks = {name for module in prm.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    block_names = set()  # the block classes transformers keeps whole when it splits a model
+    for module in prm.modules():
+        block_names.update(getattr(module, "_no_split_modules", None) or [])
+    blocks = [module for module in prm.backbone.modules() if type(module).__name__ in block_names]
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for module in [m for m in prm.backbone.modules() if type(m).__name__ in blocks] + [prm.head, prm]:
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for module in [*blocks, prm.head, prm]:  # (the head in fp32 throughout)
         fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy() if module is prm.head else policy)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
 
 
-def checkpoint_steps(output_dir: str) -> list[int]:  # (not checkpoint-N.tmp: a save cut short)
-    return sorted(int(path.name[11:]) for path in Path(output_dir).glob("checkpoint-*") if path.name[11:].isdigit())
+def checkpoint_steps(output_dir):
+    """The steps of the checkpoints in output_dir, oldest first (not checkpoint-N.tmp: a save cut short)."""
+    names = [path.name.removeprefix("checkpoint-") for path in Path(output_dir).glob("checkpoint-*")]
+    return sorted(int(name) for name in names if name.isdigit())
 
 
-def resolve_run(args: Args, run_name: str) -> tuple[str, str | None]:
+def resolve_run(args, run_name):
     """The output directory and the checkpoint to resume from (None: a new run), checked."""
-    path = args.resume_from
-    output_dir = args.output_dir or (
-        os.path.dirname(os.path.abspath(path.rstrip("/")))
-        if path not in (None, "latest")
-        else os.path.join("runs", run_name)
-    )
-    if path == "latest":
-        path = os.path.join(output_dir, f"checkpoint-{(checkpoint_steps(output_dir) or [0])[-1]}")
-    if path is None and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
-        raise UserError(
-            f"{output_dir} already holds a run: continue it with --resume-from latest, or pass another --output-dir"
-        )
-    if path is not None:
-        if not os.path.isfile(os.path.join(path, "args.json")):
-            raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {path}")
-        saved = json.loads(Path(path, "args.json").read_text())
-        differ = [
-            f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
-            for key in RUN_DEFINING
-            if saved[key] != getattr(args, key)
-        ]
-        if differ:
-            raise UserError(f"--resume-from {path}: the checkpoint's run differs ({'; '.join(differ)})")
-    return output_dir, path
+    resume_path = args.resume_from
+    output_dir = args.output_dir or os.path.join("runs", run_name)
+    if not args.output_dir and resume_path not in (None, "latest"):  # the checkpoint's own run
+        output_dir = os.path.dirname(os.path.abspath(resume_path.rstrip("/")))
+    if resume_path == "latest":  # (checkpoint-0 where there is none, reported below)
+        resume_path = os.path.join(output_dir, f"checkpoint-{max(checkpoint_steps(output_dir), default=0)}")
+    if resume_path is None and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
+        raise UserError(f"{output_dir} already holds a run: add --resume-from latest, or pass another --output-dir")
+    if resume_path is None:
+        return output_dir, None
+    if not os.path.isfile(os.path.join(resume_path, "args.json")):
+        raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {resume_path}")
+    saved = json.loads(Path(resume_path, "args.json").read_text())
+    differ = [
+        f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
+        for key in RUN_DEFINING
+        if saved[key] != getattr(args, key)
+    ]
+    if differ:
+        raise UserError(f"--resume-from {resume_path}: the checkpoint's run differs ({'; '.join(differ)})")
+    return output_dir, resume_path
 
 
-def save_run(path: str, prm, base_copy, args: Args, state: dict, optimizer=None) -> None:
+def save_run(path, prm, base_copy, args, state, optimizer=None):
     """final/, or with the optimiser a checkpoint (the newest two kept); every process calls it, rank 0 writes."""
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = dcp.get_model_state_dict(prm, options=options)
-    optimizer_state = dcp.get_optimizer_state_dict(prm, optimizer, options=options) if optimizer else None
-    if int(os.environ.get("RANK", "0")) == 0:
-        trainer_state = {**state, "optimizer": optimizer_state} if optimizer else None
-        save_prm(path, prm, base_copy, weights, args, trainer_state, state["step"])
-        for old in checkpoint_steps(os.path.dirname(path))[:-2]:
-            shutil.rmtree(os.path.join(os.path.dirname(path), f"checkpoint-{old}"))
+    trainer_state = None  # final/ holds no trainer state
+    if optimizer is not None:
+        trainer_state = {**state, "optimizer": dcp.get_optimizer_state_dict(prm, optimizer, options=options)}
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    save_prm(path, prm, base_copy, weights, args, trainer_state, state["step"])
+    output_dir = os.path.dirname(path)
+    for old in checkpoint_steps(output_dir)[:-2]:
+        shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
 
 
 def train(args: Args) -> dict:
@@ -895,25 +877,24 @@ def train(args: Args) -> dict:
     return summary
 
 
-def score_file(args: Args) -> dict:
+def score_file(args):
     """--prm-path: every row of --data-path with its step scores added, written to --scores-output."""
     if args.data_path is None:
         raise UserError("--prm-path scores the rows of --data-path: give one")
     rows = load_rows(args.data_path, need_labels=False)
-    prm = load_prm(
-        args.prm_path,
-        None if args.device == "auto" else args.device,
-        None if args.dtype == "auto" else getattr(torch, args.dtype),
-    )
-    scores = score_steps(
-        prm, [row["prompt"] for row in rows], [row["completions"] for row in rows], args.eval_batch_size
-    )
-    Path(args.scores_output).write_text("".join(json.dumps({**r, "scores": s}) + "\n" for r, s in zip(rows, scores)))
-    print0(f"scored {sum(map(len, scores))} steps of {len(rows)} rows into {args.scores_output}")
-    return {"rows": len(rows), "scored_steps": sum(map(len, scores))}
+    device = None if args.device == "auto" else args.device  # None: load_prm's default, cuda when available
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)  # None: the PRM's training dtype
+    prm = load_prm(args.prm_path, device, dtype)
+    prompts = [row["prompt"] for row in rows]
+    scores = score_steps(prm, prompts, [row["completions"] for row in rows], args.eval_batch_size)
+    lines = [json.dumps({**row, "scores": row_scores}) + "\n" for row, row_scores in zip(rows, scores)]
+    Path(args.scores_output).write_text("".join(lines))
+    num_scored = sum(len(row_scores) for row_scores in scores)
+    print0(f"scored {num_scored} steps of {len(rows)} rows into {args.scores_output}")
+    return {"rows": len(rows), "scored_steps": num_scored}
 
 
-def main() -> None:
+def main():
     try:
         args = tyro.cli(Args)
         summary = score_file(args) if args.prm_path else train(args)
