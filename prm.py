@@ -302,6 +302,22 @@ def load_rows(path, need_labels=True):
     return rows
 
 
+def load_splits(args):
+    """Training, validation and eval rows; validation rows only pick the first-error threshold, never trained on."""
+    if args.data_path is None:
+        train_rows, val_rows, eval_rows = builtin_task(args.seed, args.num_val_rows, args.num_eval_rows)
+    else:
+        rows = load_rows(args.data_path)
+        random.Random(args.seed).shuffle(rows)
+        # validation rows only where there are eval rows to choose a threshold for
+        num_val = min(args.num_val_rows, len(rows) // 10) if args.eval_data_path else 0
+        train_rows, val_rows = rows[num_val:], rows[:num_val]
+        eval_rows = []
+    if args.eval_data_path:
+        eval_rows = load_rows(args.eval_data_path)[: args.num_eval_rows]
+    return train_rows, val_rows, eval_rows
+
+
 # ---- Tokenisation: the one function that training, evaluation and scoring share.
 
 
@@ -570,6 +586,14 @@ RUN_DEFINING = (
     "seed",
     "fsdp",
 )
+CONSOLE_KEYS = {
+    "loss": "loss",
+    "accuracy": "acc",
+    "grad_norm": "gnorm",
+    "eval_auroc": "auroc",
+    "eval_first_error_f1": "fe_f1",
+    "step_time_s": "dt",
+}
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0}  # dense bf16
 
 
@@ -602,6 +626,31 @@ def shard_prm(prm, device, dtype):
         fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy() if module is prm.head else policy)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
+
+
+def get_lr(step, args):
+    """The learning rate of optimiser step `step` (from 0): linear warm-up, then constant or a cosine decay to 0."""
+    warmup = min(1.0, (step + 1) / max(1, args.warmup_steps))
+    if args.lr_schedule == "constant":
+        return args.learning_rate * warmup
+    progress = min(1, max(0, step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
+    return args.learning_rate * (warmup * (1 + math.cos(math.pi * progress)) / 2)
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed, epoch, num_examples):
+    """The order of the training examples in this epoch."""
+    # a fresh seeded permutation per epoch: the step number alone gives the data position, which is all resuming needs
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def all_reduce_gradients(parameters):
+    """Sum every process's gradients, in one flat all-reduce (one collective rather than one per tensor)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat)
+    for p, grad in zip(parameters, flat.split([grad.numel() for grad in grads])):
+        p.grad = grad.view_as(p)
 
 
 def checkpoint_steps(output_dir):
@@ -650,180 +699,168 @@ def save_run(path, prm, base_copy, args, state, optimizer=None):
         shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
 
 
-def train(args: Args) -> dict:
+def train(args):
     # ---- set-up: processes, device, dtype, output directory; every check before anything is written
     disable_progress_bar()  # (transformers' bars for writing weights would break into the log's lines)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
     distributed = "RANK" in os.environ  # launched by torchrun
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device != "auto":
+        device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # under torchrun, this process's GPU
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if device.index is None else device.index)
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     check_flags(args, world)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo") if distributed else None
-    bf16 = args.dtype == "bfloat16" or args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    use_bf16 = args.dtype == "bfloat16"
+    if args.dtype == "auto":
+        use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
     stamp = torch.tensor([int(time.time())], device=device)
-    dist.broadcast(stamp, src=0) if distributed else None  # one run name on every process
+    if distributed:  # one run name on every process
+        dist.broadcast(stamp, src=0)
     output_dir, resume_path = resolve_run(args, f"prm__{args.seed}__{int(stamp.item())}")
     seed_everything(args.seed)  # the same on every process: identical initial weights
 
     # ---- data (a bad line fails before any model loads), model, tokenisation, optimiser
-    if args.data_path is None:
-        rows = builtin_task(args.seed, args.num_val_rows, 0 if args.eval_data_path else args.num_eval_rows)
-    else:  # validation rows only where there are eval rows to choose a threshold for
-        rows = load_rows(args.data_path)
-        random.Random(args.seed).shuffle(rows)
-        num_val = min(args.num_val_rows, len(rows) // 10) if args.eval_data_path else 0
-        rows = rows[num_val:], rows[:num_val], []
-    if args.eval_data_path:
-        rows = rows[0], rows[1], load_rows(args.eval_data_path)[: args.num_eval_rows]
+    train_rows, val_rows, eval_rows = load_splits(args)
     prm, base_copy = build_prm(args, dtype, resume_path)
-    encoded = [encode_rows(prm.tokenizer, split, args.step_separator, args.max_length) for split in rows]
-    dropped_steps = sum(len(e["all_labels"]) - len(e["positions"]) for split in encoded for e in split)
-    dropped_rows = sum(not e["positions"] for split in encoded for e in split)
-    # held-out rows with no step left stay: their first error still counts, as a miss
-    train_examples, (_, val_examples, eval_examples) = [e for e in encoded[0] if e["positions"]], encoded
+    train_encoded = encode_rows(prm.tokenizer, train_rows, args.step_separator, args.max_length)
+    val_examples = encode_rows(prm.tokenizer, val_rows, args.step_separator, args.max_length)
+    eval_examples = encode_rows(prm.tokenizer, eval_rows, args.step_separator, args.max_length)
+    encoded = train_encoded + val_examples + eval_examples
+    dropped_steps = sum(len(example["all_labels"]) - len(example["positions"]) for example in encoded)
+    dropped_rows = sum(not example["positions"] for example in encoded)
+    # a training row with no step left is left out; a held-out one stays: its first error still counts, as a miss
+    train_examples = [example for example in train_encoded if example["positions"]]
     if not train_examples:
         raise UserError(f"every training row was truncated away by --max-length {args.max_length}")
-    shard_prm(prm, device, dtype) if args.fsdp else prm.to(device)
+    if args.fsdp:
+        shard_prm(prm, device, dtype)
+    else:
+        prm.to(device)
     prm.train()
     if args.gradient_checkpointing:  # (the non-reentrant kind: LoRA's frozen inputs need no gradient)
         prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     trainable = [p for p in prm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
-    warmup, decay = args.warmup_steps, max(1, args.total_steps - args.warmup_steps)  # linear, then constant or cosine
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: (
-            min(1.0, (step + 1) / max(1, warmup))
-            * (
-                1.0
-                if args.lr_schedule == "constant"
-                else (1 + math.cos(math.pi * min(1, max(0, step - warmup) / decay))) / 2
-            )
-        ),
-    )
-    start_step, eval_start = 0, None
+    start_step = 0
+    eval_start = {}  # the held-out metrics before training
     if resume_path:
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-        dcp.set_optimizer_state_dict(
-            prm, optimizer, state["optimizer"], options=dcp.StateDictOptions(full_state_dict=True)
-        )
-        scheduler.load_state_dict(state["scheduler"])
+        options = dcp.StateDictOptions(full_state_dict=True)
+        dcp.set_optimizer_state_dict(prm, optimizer, state["optimizer"], options=options)
         torch.set_rng_state(state["rng"])
-        start_step, eval_start = state["step"], state["eval_start"]
+        start_step = state["step"]
+        eval_start = state["eval_start"]
 
     # ---- logging: nothing is written before this point
-    dist.barrier() if distributed else None  # every process has checked --output-dir before rank 0 writes to it
+    if distributed:  # every process has checked --output-dir before rank 0 writes to it
+        dist.barrier()
     metrics_file = Path(output_dir, "metrics.jsonl")
     if rank == 0 and resume_path and metrics_file.exists():  # rows logged after the checkpoint are redone
         lines = metrics_file.read_text().splitlines(keepends=True)
         metrics_file.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
-    console = {
-        "loss": "loss",
-        "accuracy": "acc",
-        "grad_norm": "gnorm",
-        "eval_auroc": "auroc",
-        "eval_first_error_f1": "fe_f1",
-        "step_time_s": "dt",
-    }
     logger = RunLogger(
         output_dir,
         asdict(args),
-        console_keys=console,
+        console_keys=CONSOLE_KEYS,
         track=args.track,
         enabled=rank == 0,
         run_name=os.path.basename(output_dir),
         wandb_project=args.wandb_project_name,
         append=bool(resume_path),
     )
-    num_params, num_trained = sum(p.numel() for p in prm.parameters()), sum(p.numel() for p in trainable)
-    if eval_start is None:
-        eval_start = evaluate(prm, val_examples, eval_examples, args.eval_batch_size) if eval_examples else {}
-        logger.log(0, eval_start) if eval_start else None
-    order = functools.lru_cache(maxsize=2)(
-        lambda epoch: np.random.default_rng([args.seed, epoch]).permutation(len(train_examples))
-    )  # a fresh permutation per epoch: the step number alone gives the data position
-    micro = args.micro_batch_size or args.batch_size // world
-    step_times, step_tokens, stop_signals, stop = [], [], [], False
-    previous = {
-        sig: signal.signal(sig, lambda sig, frame: stop_signals.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)
-    }  # a signal ends the step, then saves a checkpoint
+    if eval_examples and not resume_path:  # (a resumed run's come from its checkpoint)
+        eval_start = evaluate(prm, val_examples, eval_examples, args.eval_batch_size)
+        logger.log(0, eval_start)
+    num_params = sum(p.numel() for p in prm.parameters())
+    num_trained = sum(p.numel() for p in trainable)
+    micro = args.micro_batch_size or args.batch_size // world  # rows per forward/backward pass
+    pad_id = prm.tokenizer.pad_token_id or 0
+    step_times = []
+    step_tokens = []
+    stop = False
+    stop_signals = []  # a signal ends the step, then a checkpoint is saved
+    previous_handlers = {
+        sig: signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     run_start = time.perf_counter()
     try:
         for step in range(start_step, args.total_steps):
             step_start = time.perf_counter()
             # 1. batch: the global batch, of which this process takes every world-th row
-            batch = [
-                train_examples[order(p // len(train_examples))[p % len(train_examples)]]
-                for p in range(step * args.batch_size, (step + 1) * args.batch_size)
-            ]
-            num_labelled = sum(len(e["positions"]) for e in batch)  # the loss's divisor, over all processes
+            batch = []
+            for position in range(step * args.batch_size, (step + 1) * args.batch_size):
+                epoch, index = divmod(position, len(train_examples))
+                batch.append(train_examples[epoch_order(args.seed, epoch, len(train_examples))[index]])
+            num_labelled = sum(len(example["positions"]) for example in batch)  # the loss's divisor, all processes
             local = batch[rank::world]
+
             # 2. forward and backward per micro-batch, gradients accumulating
-            sums = torch.zeros(3, device=device)  # loss, correct steps, stop signals
+            loss_sum = torch.zeros((), device=device)
+            correct_sum = torch.zeros((), device=device)
             for start in range(0, len(local), micro):
-                inputs = collate(local[start : start + micro], prm.tokenizer.pad_token_id or 0, device, args.pack_rows)
-                with torch.autocast(device.type, dtype=dtype, enabled=bf16):
-                    step_logits = prm(inputs["input_ids"], inputs["position_ids"], inputs["positions"])  # [r, S]
-                loss, stats = prm_loss(
-                    step_logits, inputs["labels"], inputs["labels"] >= 0, args.loss_kind, num_labelled=num_labelled
-                )
+                inputs = collate(local[start : start + micro], pad_id, device, args.pack_rows)
+                with torch.autocast(device.type, dtype=dtype, enabled=use_bf16):
+                    step_logits = prm(inputs["input_ids"], inputs["position_ids"], inputs["positions"])  # [R, S]
+                labels = inputs["labels"]  # [R, S], -1 where there is no step
+                loss, stats = prm_loss(step_logits, labels, labels >= 0, args.loss_kind, num_labelled=num_labelled)
                 loss.backward()
-                sums[:2] += torch.stack([loss.detach(), stats["accuracy"] * stats["steps"]])
-            sums[2] = len(stop_signals)
-            # 3. all-reduce, clip, step
-            if distributed:  # one flat all-reduce, a sum (each loss is a share of the batch mean already); FSDP's
-                grads = [] if args.fsdp else [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
-                flat = torch.cat([g.reshape(-1) for g in grads] + [sums])  # reduce-scatter has summed its gradients
-                dist.all_reduce(flat)
-                *reduced, sums = flat.split([g.numel() for g in grads] + [3])
-                for p, g in zip(trainable, reduced):
-                    p.grad = g.view_as(p)
+                loss_sum += loss.detach()
+                correct_sum += stats["accuracy"] * stats["steps"]
+
+            # 3. all-reduce the gradients, clip, step
+            if distributed and not args.fsdp:  # (FSDP's reduce-scatter has summed its gradients already)
+                all_reduce_gradients(trainable)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # (FSDP)
-            learning_rate = optimizer.param_groups[0]["lr"]
+            if args.fsdp:  # a DTensor
+                grad_norm = grad_norm.full_tensor()
+            learning_rate = get_lr(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(device) if device.type == "cuda" else None  # (for the step's time)
+            if device.type == "cuda":  # (for the step's time)
+                torch.cuda.synchronize(device)
             step_times.append(time.perf_counter() - step_start)
-            step_tokens.append(sum(len(e["input_ids"]) for e in batch))
+            step_tokens.append(sum(len(example["input_ids"]) for example in batch))
+
             # 4. log, evaluate, save
+            # the loss, correct steps and signals summed over processes: every process stops after the same step
+            totals = torch.stack([loss_sum, correct_sum, torch.tensor(float(len(stop_signals)), device=device)])
+            if distributed:
+                dist.all_reduce(totals)
+            loss_total, num_correct, num_signals = totals.tolist()
             metrics = {
-                "loss": sums[0].item(),
-                "accuracy": sums[1].item() / max(num_labelled, 1),
+                "loss": loss_total,
+                "accuracy": num_correct / max(num_labelled, 1),
                 "grad_norm": grad_norm.item(),
                 "learning_rate": learning_rate,
                 "labelled_steps": num_labelled,
                 "step_time_s": step_times[-1],
             }
-            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and eval_examples:
+            eval_due = args.eval_every > 0 and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps
+            if eval_due and eval_examples:
                 metrics.update(evaluate(prm, val_examples, eval_examples, args.eval_batch_size))
             logger.log(step + 1, metrics)
-            stop = sums[2].item() > 0  # every process stops after the same step
-            if stop or (args.save_every and (step + 1) % args.save_every == 0):
-                save_run(
-                    os.path.join(output_dir, f"checkpoint-{step + 1}"),
-                    prm,
-                    base_copy,
-                    args,
-                    {
-                        "scheduler": scheduler.state_dict(),
-                        "step": step + 1,
-                        "rng": torch.get_rng_state(),
-                        "eval_start": eval_start,
-                    },
-                    optimizer,
-                )  # (the data position is the step number)
+            stop = num_signals > 0
+            if stop or (args.save_every > 0 and (step + 1) % args.save_every == 0):
+                state = {"step": step + 1, "rng": torch.get_rng_state(), "eval_start": eval_start}
+                save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), prm, base_copy, args, state, optimizer)
             if stop:
                 break
     finally:
-        for sig, handler in previous.items():
+        for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
-    total_time, steps_done = time.perf_counter() - run_start, start_step + len(step_times)
+    total_time = time.perf_counter() - run_start
+    steps_done = start_step + len(step_times)
     if stop:
         print0(
             f"stopped by a signal after step {steps_done}, checkpoint-{steps_done} saved: continue with the same "
@@ -831,26 +868,30 @@ def train(args: Args) -> dict:
             enabled=rank == 0,
         )
         logger.close()
-        dist.destroy_process_group() if distributed else None
-        return {"steps": steps_done, "interrupted": True, "signal": (stop_signals or [signal.SIGTERM])[0]}
+        if distributed:
+            dist.destroy_process_group()
+        # a process that got no signal itself stopped with the others: it reports SIGTERM
+        received = stop_signals[0] if stop_signals else signal.SIGTERM
+        return {"steps": steps_done, "interrupted": True, "signal": received}
 
     # ---- final save, evaluation and summary
     save_run(os.path.join(output_dir, "final"), prm, base_copy, args, {"step": steps_done})
-    eval_end = evaluate(prm, val_examples, eval_examples, args.eval_batch_size) if eval_examples else {}
-    logger.log(steps_done, eval_end) if eval_end else None
-    timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
-    tokens_per_s = sum(step_tokens[timed]) / max(sum(step_times[timed]), 1e-9)
-    peak_memory = (
-        torch.cuda.max_memory_allocated(device)
-        if device.type == "cuda"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    ) / 2**20  # (Linux: KiB)
+    eval_end = {}
+    if eval_examples:
+        eval_end = evaluate(prm, val_examples, eval_examples, args.eval_batch_size)
+        logger.log(steps_done, eval_end)
+    first_timed = int(len(step_times) > 1)  # the first step pays for warm-up: left out, unless it is the only one
+    tokens_per_s = sum(step_tokens[first_timed:]) / max(sum(step_times[first_timed:]), 1e-9)
+    if device.type == "cuda":
+        peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak_memory_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (Linux: KiB)
     summary = {
         "steps": steps_done,
         "total_time_s": total_time,
-        "step_time_s_mean": float(np.mean(step_times[timed])),
+        "step_time_s_mean": float(np.mean(step_times[first_timed:])),
         "tokens_per_s": tokens_per_s,
-        "peak_memory_mb": peak_memory,
+        "peak_memory_mb": peak_memory_mb,
         **{f"{key}_start": value for key, value in eval_start.items()},
         **{f"{key}_end": value for key, value in eval_end.items()},
         "train_rows": len(train_examples),
@@ -861,19 +902,17 @@ def train(args: Args) -> dict:
         "trainable_parameters": num_trained,
     }
     if device.type == "cuda":  # MFU: 6 FLOPs per weight and token (4 with LoRA: no frozen weights' gradients)
-        body = num_params - prm.backbone.get_input_embeddings().weight.numel()
-        peak = (
-            next(
-                (tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name(device)),
-                float("nan"),
-            )
-            if bf16
-            else float("nan")
-        )
-        summary["mfu"] = (6 if args.lora_r == 0 else 4) * body * tokens_per_s / world / (peak * 1e12)
+        flops_per_weight = 6 if args.lora_r == 0 else 4
+        body = num_params - prm.backbone.get_input_embeddings().weight.numel()  # (embedding lookups are no FLOPs)
+        gpu = torch.cuda.get_device_name(device)
+        peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in gpu), float("nan"))
+        if not use_bf16:  # PEAK_TFLOPS holds bf16 peaks
+            peak = float("nan")
+        summary["mfu"] = flops_per_weight * body * tokens_per_s / world / (peak * 1e12)
     logger.summary(summary, output_dir)
     logger.close()
-    dist.destroy_process_group() if distributed else None
+    if distributed:
+        dist.destroy_process_group()
     return summary
 
 
@@ -886,7 +925,8 @@ def score_file(args):
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)  # None: the PRM's training dtype
     prm = load_prm(args.prm_path, device, dtype)
     prompts = [row["prompt"] for row in rows]
-    scores = score_steps(prm, prompts, [row["completions"] for row in rows], args.eval_batch_size)
+    solutions = [row["completions"] for row in rows]
+    scores = score_steps(prm, prompts, solutions, args.eval_batch_size)
     lines = [json.dumps({**row, "scores": row_scores}) + "\n" for row, row_scores in zip(rows, scores)]
     Path(args.scores_output).write_text("".join(lines))
     num_scored = sum(len(row_scores) for row_scores in scores)
