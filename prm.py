@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -66,18 +66,19 @@ class Args:
     seed: int = 1  # seed of model init, built-in data and batch order
     output_dir: str | None = None  # metrics.jsonl, summary.json, checkpoint-STEP/, final/; None = runs/{run name}
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works; WANDB_ENTITY picks the team)
-    wandb_project_name: str = "prm"
+    wandb_project_name: str = "prm"  # the Weights & Biases project of the run, with --track
     # Model and data
     model: str = "tiny"  # `tiny` (a small random-init Llama built here, no download), or a hub id or local path
     data_path: str | None = None  # JSONL rows {"prompt", "completions", "labels"}; None = the built-in task
     eval_data_path: str | None = None  # JSONL held-out rows; None = built-in ones (none with --data-path)
     num_eval_rows: int = 500  # at most this many held-out rows are evaluated
     num_val_rows: int = 200  # rows that only pick the first-error threshold (a tenth of --data-path at most)
-    step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
+    # appended to every step; the step's label sits on its last token
+    step_separator: Annotated[str, tyro.conf.arg(help_behavior_hint=r"(default: '\n', a newline)")] = "\n"
     max_length: int = 1024  # most tokens per row: steps that do not fit whole are dropped (and counted)
     lora_r: int = 0  # LoRA rank on the backbone (the head is always trained in full); 0 = full fine-tuning
     lora_alpha: int = 32  # LoRA scaling numerator (the update is scaled by alpha / r)
-    lora_dropout: float = 0.0
+    lora_dropout: float = 0.0  # dropout on the input of the LoRA adapters
     lora_target_modules: str = "all-linear"  # comma-separated module names (e.g. q_proj,v_proj), or all-linear
     # Loss and optimisation
     loss_kind: Literal["bce", "mse"] = "bce"  # bce: hard or soft labels; mse: squared error of the raw head output
@@ -85,7 +86,7 @@ class Args:
     batch_size: int = 32  # rows per optimiser step, over all processes
     micro_batch_size: int = 0  # rows per forward/backward pass (gradient accumulation); 0 = the local batch
     learning_rate: float = 1e-3  # AdamW (1e-5 is typical for full fine-tuning of real models, 1e-4 for LoRA)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # gradients are clipped to this global L2 norm before each step
     warmup_steps: int = 20  # linear learning-rate warm-up
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up
     # Evaluation, saving, scoring, system
@@ -98,7 +99,7 @@ class Args:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype; auto = bf16 on CUDA (weights stay fp32)
     device: str = "auto"  # auto = cuda when available, else cpu; under torchrun GPU LOCAL_RANK
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more compute
-    pack_rows: bool = True  # examples share rows, little padding computed: 1.2x on prm_small_lora (see 5. above)
+    pack_rows: bool = True  # examples share rows end to end, less padding; --no-pack-rows for recurrent backbones
     fsdp: bool = False  # shard weights, gradients and optimiser state over the processes (FSDP2, under torchrun)
 
 
@@ -109,45 +110,46 @@ class UserError(Exception):
 # ---- Kernels and metrics: tensors or lists in, numbers out. Tests import these.
 
 
-def prm_loss(
-    step_logits: torch.Tensor,
-    labels: torch.Tensor,
-    mask: torch.Tensor,
-    kind: str = "bce",
-    *,
-    num_labelled: float | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """sum(l * mask) / N in fp32 over [B, S] steps (mask 1 on real ones); l = bce: -(y log sigmoid(z) + (1 - y)
-    log(1 - sigmoid(z))) (y in [0, 1]: hard or soft labels) or mse: (z - y)^2 (z, the raw output, is the score). N =
-    num_labelled, the whole batch's count for a part of it (parts then sum to the batch loss), else mask.sum()."""
+def prm_loss(step_logits, labels, mask, kind: str = "bce", *, num_labelled=None) -> tuple[torch.Tensor, dict]:
+    """sum(loss * mask) / num_labelled in fp32, and the step accuracy (score >= 0.5 agreeing with label >= 0.5).
+
+    step_logits, labels, mask: [B, S]; mask 1 on real steps, labels in [0, 1] (hard or soft). Loss per step: bce
+    -(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z))), or mse (z - y)^2 (the raw output z is then the score).
+    num_labelled defaults to mask.sum(); given the whole batch's, the losses of its parts sum to the batch's.
+    """
     mask = mask.bool()
     # padded slots are zeroed first: whatever they hold (even NaN) gets no loss and no gradient
-    logits, labels = step_logits.float().masked_fill(~mask, 0.0), labels.float().masked_fill(~mask, 0.0)
+    logits = step_logits.float().masked_fill(~mask, 0.0)
+    labels = labels.float().masked_fill(~mask, 0.0)
     if kind == "bce":
-        per_step, scores = F.binary_cross_entropy_with_logits(logits, labels, reduction="none"), torch.sigmoid(logits)
+        per_step = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        scores = torch.sigmoid(logits)
     elif kind == "mse":
-        per_step, scores = (logits - labels) ** 2, logits
+        per_step = (logits - labels) ** 2
+        scores = logits
     else:
         raise ValueError(f"kind must be bce or mse, got {kind!r}")
-    loss = per_step.masked_fill(~mask, 0.0).sum() / max(num_labelled if num_labelled is not None else mask.sum(), 1)
+    num_steps = mask.sum()
+    loss = per_step.masked_fill(~mask, 0.0).sum() / max(num_labelled or num_steps, 1)
     agree = ((scores >= 0.5) == (labels >= 0.5)) & mask
-    return loss, {"accuracy": agree.sum().detach() / mask.sum().clamp(min=1), "steps": mask.sum()}
+    return loss, {"accuracy": agree.sum().detach() / num_steps.clamp(min=1), "steps": num_steps}
 
 
 def step_accuracy(scores, labels, threshold: float = 0.5) -> float:
     """Fraction of steps where score >= threshold agrees with label >= 0.5; NaN when empty or a score is NaN."""
-    scores, labels = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
-    return (
-        float(np.mean((scores >= threshold) == (labels >= 0.5)))
-        if len(scores) and not np.isnan(scores).any()
-        else float("nan")
-    )
+    scores = np.asarray(scores, dtype=float)
+    labels = np.asarray(labels, dtype=float)
+    if len(scores) == 0 or np.isnan(scores).any():
+        return float("nan")
+    return float(np.mean((scores >= threshold) == (labels >= 0.5)))
 
 
 def auroc(scores, labels) -> float:
     """P(a correct step outscores a wrong one), ties half (Mann-Whitney U); NaN if a class is absent or a score NaN."""
-    scores, positive = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float) >= 0.5
-    num_pos, num_neg = int(positive.sum()), int((~positive).sum())
+    scores = np.asarray(scores, dtype=float)
+    positive = np.asarray(labels, dtype=float) >= 0.5
+    num_pos = int(positive.sum())
+    num_neg = len(positive) - num_pos
     if num_pos == 0 or num_neg == 0 or np.isnan(scores).any():
         return float("nan")
     order = np.argsort(scores, kind="mergesort")
@@ -157,35 +159,63 @@ def auroc(scores, labels) -> float:
     return float((ranks[positive].sum() - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg))
 
 
+def first_below(values, threshold):
+    """Index of the first value below threshold; -1 if none."""
+    for index, value in enumerate(values):
+        if value < threshold:
+            return index
+    return -1
+
+
 def first_error_f1(step_scores: list, step_labels: list, threshold: float) -> tuple[float, float, float]:
-    """ProcessBench's (f1, acc_err, acc_corr) over solutions: the exact-match rates of the first error (the first
-    label < 0.5, -1: none) by the first score below threshold, on erroneous and on correct solutions (NaN over
-    none), and their harmonic mean. A first error among steps truncated away (no score) is a miss."""
-    hits = {True: [], False: []}  # keyed by "the solution has an error"
+    """ProcessBench's (f1, acc_err, acc_corr) over solutions, each a list of step scores and one of step labels.
+
+    A solution's first error is its first label < 0.5, predicted as its first score < threshold (-1: none).
+    acc_err, acc_corr: the rates of exact predictions on erroneous and on correct solutions (NaN over none); f1
+    their harmonic mean. A first error among steps truncated away (no score) is a miss.
+    """
+    num_erroneous = num_erroneous_hit = num_correct = num_correct_hit = 0  # solutions, and exact predictions on them
     for scores, labels in zip(step_scores, step_labels, strict=True):
-        truth = next((k for k, label in enumerate(labels) if label < 0.5), -1)
-        hits[truth >= 0].append(next((k for k, score in enumerate(scores) if score < threshold), -1) == truth)
-    acc_err, acc_corr = (float(np.mean(hits[key])) if hits[key] else float("nan") for key in (True, False))
-    f1 = 2 * acc_err * acc_corr / (acc_err + acc_corr) if acc_err + acc_corr > 0 else 0.0
-    return (f1 if math.isfinite(acc_err + acc_corr) else float("nan")), acc_err, acc_corr
+        first_error = first_below(labels, 0.5)
+        predicted = first_below(scores, threshold)
+        if first_error >= 0:
+            num_erroneous += 1
+            num_erroneous_hit += predicted == first_error
+        else:
+            num_correct += 1
+            num_correct_hit += predicted == -1
+    acc_err = num_erroneous_hit / num_erroneous if num_erroneous else float("nan")
+    acc_corr = num_correct_hit / num_correct if num_correct else float("nan")
+    if acc_err + acc_corr == 0:
+        return 0.0, acc_err, acc_corr
+    return 2 * acc_err * acc_corr / (acc_err + acc_corr), acc_err, acc_corr  # (NaN when either rate is)
 
 
 def choose_threshold(step_scores: list, step_labels: list) -> float:
-    """The best first-error F1's threshold on these (validation) solutions among all that predict differently: the
-    midpoints of neighbouring distinct scores and one beyond each end (ties: the lowest); 0.5 where F1 is NaN or 0."""
-    values = np.unique([s for scores in step_scores for s in scores])
+    """The threshold of the best first-error F1 on these (validation) solutions, the lowest among ties, out of one
+    between each two neighbouring distinct scores and one beyond each end; 0.5 where the best F1 is NaN or 0."""
+    values = np.unique([score for scores in step_scores for score in scores])  # sorted, distinct
     if len(values) == 0 or not np.isfinite(values).all():
         return 0.5
-    midpoints = (values[1:] + values[:-1]) / 2  # (the upper score where two are one float apart)
-    candidates = [values[0] - 1, *np.where(midpoints > values[:-1], midpoints, values[1:]), values[-1] + 1]
+    midpoints = (values[1:] + values[:-1]) / 2
+    # two scores one float apart have no float strictly between them: the upper one then splits them
+    between = np.where(midpoints > values[:-1], midpoints, values[1:])
+    candidates = [values[0] - 1, *between, values[-1] + 1]
     f1 = np.nan_to_num([first_error_f1(step_scores, step_labels, threshold)[0] for threshold in candidates])
-    return float(candidates[int(np.argmax(f1))]) if f1.max() > 0 else 0.5
+    best = int(np.argmax(f1))  # the first best: the lowest threshold
+    if f1[best] <= 0:
+        return 0.5
+    return float(candidates[best])
 
 
 def aggregate_scores(scores: list[float], how: str) -> float:
     """One number per solution: min (Math-Shepherd), prod (Lightman), last or mean; 0.0 with no scored step."""
-    reducers = {"min": np.min, "prod": np.prod, "last": lambda values: values[-1], "mean": np.mean}
-    return float(reducers[how](scores)) if len(scores) else 0.0
+    if len(scores) == 0:
+        return 0.0
+    if how == "last":
+        return float(scores[-1])
+    reduce = {"min": np.min, "prod": np.prod, "mean": np.mean}[how]
+    return float(reduce(scores))
 
 
 # ---- The built-in task and JSONL data.
@@ -196,63 +226,75 @@ def aggregate_scores(scores: list[float], how: str) -> float:
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=%()., \n")
 TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 BUILTIN_HELD_OUT = 2000  # built-in rows never trained on: validation, then eval
+ROW_FORMAT = 'rows are {"prompt": str, "completions": [str, ...], "labels": [bool or 0..1, ...]}'
 
 
-def make_solution(rng: random.Random, min_steps: int = 3, max_steps: int = 6, p_error: float = 0.8) -> dict:
+def make_solution(rng: random.Random, min_steps=3, max_steps=6, p_error=0.8):
     """One built-in row: with probability p_error one step (uniform) restates a wrong value."""
-    num_steps, value = rng.randint(min_steps, max_steps), rng.randint(0, 4)
-    prompt, steps = f"start {value}\n", []
-    error_at = rng.randrange(num_steps) if rng.random() < p_error else num_steps
+    num_steps = rng.randint(min_steps, max_steps)
+    value = rng.randint(0, 4)
+    prompt = f"start {value}\n"
+    error_at = num_steps  # no error
+    if rng.random() < p_error:
+        error_at = rng.randrange(num_steps)
+    steps = []
     for k in range(num_steps):
-        stated = rng.choice([v for v in range(5) if v != value]) if k == error_at else value
+        stated = value
+        if k == error_at:
+            stated = rng.choice([v for v in range(5) if v != value])
         change = rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if 0 <= stated + d <= 4])
         value = stated + change
-        steps.append(f"{stated}{'+' if change > 0 else '-'}{abs(change)}={value}")
+        steps.append(f"{stated}{change:+d}={value}")
     return {"prompt": prompt, "completions": steps, "labels": [float(k < error_at) for k in range(num_steps)]}
 
 
-def builtin_task(seed: int, num_val: int, num_eval: int, num_train: int = 10000) -> tuple[list, list, list]:
+def builtin_task(seed, num_val, num_eval, num_train=10000):
     """Distinct rows: train, validation, eval. The held-out pool is fixed whatever num_val and num_eval are."""
-    rng, unique = random.Random(seed), {}
+    rng = random.Random(seed)
+    unique = {}
     while len(unique) < num_train + BUILTIN_HELD_OUT:
         row = make_solution(rng)
         unique.setdefault((row["prompt"], *row["completions"]), row)
     rows = list(unique.values())
     rng.shuffle(rows)
-    return rows[BUILTIN_HELD_OUT:], rows[:num_val], rows[num_val:BUILTIN_HELD_OUT][:num_eval]
+    held_out = rows[:BUILTIN_HELD_OUT]
+    return rows[BUILTIN_HELD_OUT:], held_out[:num_val], held_out[num_val:][:num_eval]
 
 
-def parse_row(line: str, need_labels: bool) -> dict:
+def parse_row(line, need_labels):
     """One JSONL row, checked (a ValueError says what is wrong); without need_labels, returned as given."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"not JSON ({error.msg})") from None
-    for name, kind in {"prompt": str, "completions": list, **({"labels": list} if need_labels else {})}.items():
-        if (
-            not isinstance(row, dict)
-            or not isinstance(row.get(name), kind)
-            or (name == "completions" and not all(isinstance(step, str) for step in row[name]))
-        ):
-            raise ValueError(
-                f'needs a field "{name}" ({"list of str" if name == "completions" else kind.__name__}); '
-                'rows are {"prompt": str, "completions": [str, ...], "labels": [bool or 0..1, ...]}'
-            )
-    if need_labels and len(row["labels"]) != len(row["completions"]):
-        raise ValueError(f"{len(row['labels'])} labels for {len(row['completions'])} steps: one label per step")
-    for label in row["labels"] if need_labels else []:  # (NaN fails the comparison too)
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        raise ValueError(f'needs a field "prompt" (str); {ROW_FORMAT}')
+    completions = row.get("completions")
+    if not isinstance(completions, list) or not all(isinstance(step, str) for step in completions):
+        raise ValueError(f'needs a field "completions" (list of str); {ROW_FORMAT}')
+    if not need_labels:
+        return row
+    labels = row.get("labels")
+    if not isinstance(labels, list):
+        raise ValueError(f'needs a field "labels" (list); {ROW_FORMAT}')
+    if len(labels) != len(completions):
+        raise ValueError(f"{len(labels)} labels for {len(completions)} steps: one label per step")
+    for label in labels:  # (NaN fails the comparison too)
         if not isinstance(label, (bool, int, float)) or not 0 <= label <= 1:
             raise ValueError(f"label {label!r}: labels must be bools or numbers in [0, 1]")
-    return {**row, "labels": [float(y) for y in row["labels"]]} if need_labels else row
+    return {**row, "labels": [float(label) for label in labels]}
 
 
-def load_rows(path: str, need_labels: bool = True) -> list[dict]:
+def load_rows(path, need_labels=True):
+    """The rows of a JSONL file, blank lines skipped; a bad row is a UserError naming its line."""
     if not os.path.isfile(path):
         raise UserError(f"data file {path} does not exist")
     rows = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
-            rows += [parse_row(line, need_labels)] if line.strip() else []
+            rows.append(parse_row(line, need_labels))
         except ValueError as problem:
             raise UserError(f"{path}:{number}: {problem}") from None
     if not rows:
@@ -260,17 +302,34 @@ def load_rows(path: str, need_labels: bool = True) -> list[dict]:
     return rows
 
 
+def load_splits(args):
+    """Training, validation and eval rows; validation rows only pick the first-error threshold, never trained on."""
+    if args.data_path is None:
+        train_rows, val_rows, eval_rows = builtin_task(args.seed, args.num_val_rows, args.num_eval_rows)
+    else:
+        rows = load_rows(args.data_path)
+        random.Random(args.seed).shuffle(rows)
+        # validation rows only where there are eval rows to choose a threshold for
+        num_val = min(args.num_val_rows, len(rows) // 10) if args.eval_data_path else 0
+        train_rows, val_rows = rows[num_val:], rows[:num_val]
+        eval_rows = []
+    if args.eval_data_path:
+        eval_rows = load_rows(args.eval_data_path)[: args.num_eval_rows]
+    return train_rows, val_rows, eval_rows
+
+
 # ---- Tokenisation: the one function that training, evaluation and scoring share.
 
 
-def build_prm_example(
-    tokenizer, prompt: str, steps: list[str], *, step_separator: str, max_length: int
-) -> tuple[list[int], list[int]]:
-    """`[bos] prompt step1 sep step2 sep ...` -> (input_ids, label_positions), the prompt and each `step + sep`
-    tokenised apart so that no BPE merge crosses a step boundary: label_positions[k] is the last token of `step k +
-    sep`. Steps that do not fit whole in max_length are dropped with all later ones."""
+def build_prm_example(tokenizer, prompt: str, steps: list[str], *, step_separator: str, max_length: int):
+    """`[bos] prompt step1 sep step2 sep ...` -> (input_ids, label_positions), label_positions[k] the last token of
+    `step k + sep`. The prompt and each `step + sep` are tokenised apart, so no BPE merge crosses a step boundary.
+    Steps that do not fit whole in max_length are dropped, with all later ones."""
     pieces = tokenizer([prompt] + [step + step_separator for step in steps], add_special_tokens=False)["input_ids"]
-    input_ids = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(pieces[0])
+    input_ids = []
+    if tokenizer.bos_token_id is not None:
+        input_ids.append(tokenizer.bos_token_id)
+    input_ids += pieces[0]
     if len(input_ids) > max_length:
         return input_ids[:max_length], []
     label_positions = []
@@ -284,162 +343,155 @@ def build_prm_example(
     return input_ids, label_positions
 
 
-def encode_rows(tokenizer, rows: list[dict], step_separator: str, max_length: int) -> list[dict]:
+def encode_rows(tokenizer, rows, step_separator, max_length):
     """One example {input_ids, positions, labels (of the kept steps), all_labels} per row."""
     examples = []
     for row in rows:
         input_ids, positions = build_prm_example(
             tokenizer, row["prompt"], row["completions"], step_separator=step_separator, max_length=max_length
         )
-        examples.append(
-            {
-                "input_ids": input_ids,
-                "positions": positions,
-                "labels": row["labels"][: len(positions)],
-                "all_labels": row["labels"],
-            }
-        )
+        kept_labels = row["labels"][: len(positions)]
+        examples.append(dict(input_ids=input_ids, positions=positions, labels=kept_labels, all_labels=row["labels"]))
     return examples
 
 
-def collate(examples: list[dict], pad_id: int, device, pack: bool = False) -> dict:
-    """input_ids, position_ids [R, T]; label positions, labels (-1: none) [R, S]; right-padded, pads at position 0.
-    One row per example, or (pack) rows of about twice the longest example (short rows keep attention cheap): each
-    example, longest first, joins the shortest row, position ids restarting (transformers' causal mask splits them)."""
-    lengths = [len(e["input_ids"]) for e in examples]
-    rows = [[] for _ in range(-(-sum(lengths) // (2 * max(lengths))))] if pack else [[e] for e in examples]
-    for e in sorted(examples, key=lambda e: -len(e["input_ids"])) if pack else []:
-        min(rows, key=lambda row: sum(len(x["input_ids"]) for x in row)).append(e)
-    fields = {"input_ids": [], "position_ids": [], "positions": [], "labels": []}
-    for row in rows:
-        starts = np.cumsum([0] + [len(e["input_ids"]) for e in row])  # each example's first index in the row
-        fields["input_ids"].append([t for e in row for t in e["input_ids"]])
-        fields["position_ids"].append([p for e in row for p in range(len(e["input_ids"]))])
-        fields["positions"].append([start + p for e, start in zip(row, starts) for p in e["positions"]])
-        fields["labels"].append([y for e in row for y in e["labels"] or [0.0] * len(e["positions"])])
-    fill = {"input_ids": pad_id, "labels": -1.0}  # 0 for position ids and label positions
-    return {
-        key: pad_sequence(
-            [torch.tensor(v, dtype=torch.float32 if key == "labels" else torch.long) for v in values],
-            True,
-            fill.get(key, 0),
-        ).to(device)
-        for key, values in fields.items()
-    }
+def pack_examples(examples):
+    """The examples in rows of about twice the longest one (short rows keep attention cheap), longest first."""
+    lengths = [len(example["input_ids"]) for example in examples]
+    num_rows = math.ceil(sum(lengths) / (2 * max(lengths)))
+    rows = [[] for _ in range(num_rows)]
+    row_lengths = [0] * num_rows
+    for example in sorted(examples, key=lambda example: -len(example["input_ids"])):  # each into the shortest row
+        shortest = row_lengths.index(min(row_lengths))
+        rows[shortest].append(example)
+        row_lengths[shortest] += len(example["input_ids"])
+    return rows
+
+
+def join_examples(examples):
+    """One row: the examples' tokens end to end, position ids restarting, label positions shifted to match."""
+    row = {"input_ids": [], "position_ids": [], "positions": [], "labels": []}
+    for example in examples:
+        start = len(row["input_ids"])
+        row["input_ids"] += example["input_ids"]
+        row["position_ids"] += range(len(example["input_ids"]))
+        row["positions"] += [start + position for position in example["positions"]]
+        row["labels"] += example["labels"] or [0.0] * len(example["positions"])  # (scoring: no labels)
+    return row
+
+
+def collate(examples, pad_id, device, pack=False):
+    """Examples as right-padded tensors: input_ids, position_ids [R, T]; label positions, labels [R, S]. One
+    example per row, or (pack) several end to end, position ids restarting, which transformers' causal mask keeps
+    apart. Pads: pad_id in input_ids, 0 in position ids and label positions, -1 in labels (no step there).
+        input_ids     bos a a b |  bos c d |  pad    (two examples packed, labels on their separators |)
+        position_ids  0   1 2 3 4  0   1 2 3  0      label positions [4, 8]
+    """
+    if pack:
+        rows = [join_examples(group) for group in pack_examples(examples)]
+    else:
+        rows = [join_examples([example]) for example in examples]
+    batch = {}
+    for key, pad in {"input_ids": pad_id, "position_ids": 0, "positions": 0, "labels": -1.0}.items():
+        tensors = [torch.tensor(row[key], dtype=torch.float32 if key == "labels" else torch.long) for row in rows]
+        batch[key] = pad_sequence(tensors, batch_first=True, padding_value=pad).to(device)
+    return batch
 
 
 # ---- Model: backbone without LM head + fp32 scalar head; save, load, score.
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer():
     """A character-level tokenizer over the built-in task's alphabet (one token per character)."""
-    tokenizer = Tokenizer(
-        models.BPE(vocab={t: i for i, t in enumerate(TINY_SPECIALS + TINY_CHARS)}, merges=[], unk_token="<unk>")
-    )
+    vocab = {token: index for index, token in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.add_special_tokens(TINY_SPECIALS)
     tokenizer.decoder = decoders.Fuse()
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        model_max_length=1024,
-    )
+    specials = dict(pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=1024, **specials)
 
 
 class ProcessRewardModel(torch.nn.Module):
     """Backbone + fp32 `Linear(hidden, 1)` at each step's label token; `.config`: what scoring needs."""
 
-    def __init__(self, backbone, tokenizer, config: dict):
+    def __init__(self, backbone, tokenizer, config):
         super().__init__()
-        self.backbone, self.tokenizer, self.config = backbone, tokenizer, config
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.config = config
         self.head = torch.nn.Linear(backbone.config.hidden_size, 1, dtype=torch.float32)
 
-    def forward(self, input_ids, position_ids, positions) -> torch.Tensor:  # [B, T], [B, T], [B, S] -> [B, S]
+    def forward(self, input_ids, position_ids, positions):
+        """input_ids, position_ids [B, T]; positions [B, S], the label tokens -> step logits [B, S]."""
         hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        rows = torch.arange(len(positions), device=positions.device)[:, None]
+        rows = torch.arange(len(positions), device=positions.device)[:, None]  # [B, 1]
         with torch.autocast(hidden.device.type, enabled=False):  # the head in fp32, at the label tokens only
             return self.head(hidden[rows, positions].float()).squeeze(-1)
 
 
-def build_prm(args: Args, dtype: torch.dtype, resume_path: str | None = None):
-    """A PRM on the CPU computing in `dtype` (autocast) with fp32 weights, but a hub model's frozen LoRA base stored in
-    `dtype` (without FSDP); and a copy of the tiny base when an adapter must be saved beside it."""
+def build_prm(args, dtype, resume_path=None):
+    """A PRM on the CPU (with a checkpoint's weights when resuming) computing in `dtype` under autocast, its weights
+    fp32 but a hub model's frozen LoRA base (without FSDP); and with LoRA, a copy of the tiny base to save."""
     if args.model == "tiny":  # a 3-layer, 64-wide Llama, random init from the seed
         tokenizer = build_tiny_tokenizer()
-        backbone = LlamaModel(
-            LlamaConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=64,
-                intermediate_size=256,
-                num_hidden_layers=3,
-                num_attention_heads=4,
-                pad_token_id=0,
-            )
-        )
+        sizes = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4)
+        backbone = LlamaModel(LlamaConfig(vocab_size=len(tokenizer), pad_token_id=0, **sizes))
     elif not os.path.isdir(args.model) and args.model.startswith((".", "/", "~")):
         raise UserError(f"--model {args.model} does not exist")
     else:
+        weights_dtype = dtype if args.lora_r and not args.fsdp else torch.float32  # only a frozen base in `dtype`
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        backbone = AutoModel.from_pretrained(args.model, dtype=torch.float32 if args.fsdp or not args.lora_r else dtype)
-    base_copy, base = None, os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+        backbone = AutoModel.from_pretrained(args.model, dtype=weights_dtype)
+    # how prm_config.json names the base: a hub id, an absolute path, or "base" (saved beside the adapter)
+    base_model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+    base_copy = None
     if args.lora_r > 0:
         if args.model == "tiny":  # random weights, which no name reloads: saved beside the adapter
-            base_copy, base = copy.deepcopy(backbone), "base"
+            base_copy = copy.deepcopy(backbone)
+            base_model = "base"
         targets = args.lora_target_modules
-        backbone = get_peft_model(
-            backbone,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                lora_dropout=args.lora_dropout,
-                task_type="FEATURE_EXTRACTION",
-                target_modules=targets if targets == "all-linear" else targets.split(","),
-            ),
+        lora_config = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            task_type="FEATURE_EXTRACTION",
+            target_modules=targets if targets == "all-linear" else targets.split(","),
         )
-    prm = ProcessRewardModel(
-        backbone,
-        tokenizer,
-        {
-            "base_model": base,
-            "lora": args.lora_r > 0,
-            "step_separator": args.step_separator,
-            "max_length": args.max_length,
-            "loss_kind": args.loss_kind,
-            "dtype": str(dtype).removeprefix("torch."),
-        },
-    )
+        backbone = get_peft_model(backbone, lora_config)
+    prm_config = {
+        "base_model": base_model,
+        "lora": args.lora_r > 0,
+        "step_separator": args.step_separator,
+        "max_length": args.max_length,
+        "loss_kind": args.loss_kind,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    prm = ProcessRewardModel(backbone, tokenizer, prm_config)
     if resume_path:  # the checkpoint's weights: the adapter (LoRA) or the backbone, and the head
-        weights = load_file(os.path.join(resume_path, f"{'adapter_model' if args.lora_r else 'model'}.safetensors"))
-        set_peft_model_state_dict(prm.backbone, weights) if args.lora_r else prm.backbone.load_state_dict(weights)
+        if args.lora_r:
+            set_peft_model_state_dict(prm.backbone, load_file(os.path.join(resume_path, "adapter_model.safetensors")))
+        else:
+            prm.backbone.load_state_dict(load_file(os.path.join(resume_path, "model.safetensors")))
         prm.head.load_state_dict(load_file(os.path.join(resume_path, "reward_head.safetensors")))
     return prm, base_copy
 
 
-def save_prm(
-    path: str,
-    prm: ProcessRewardModel,
-    base_backbone=None,
-    weights: dict | None = None,
-    args: Args | None = None,
-    trainer_state: dict | None = None,
-    step: int | None = None,
-) -> None:
-    """Backbone or LoRA adapter (base_backbone under base/), reward_head.safetensors, tokenizer, prm_config.json (a
-    checkpoint: args.json, trainer_state.pt too); weights: a sharded PRM's, gathered. Written to PATH.tmp, renamed."""
-    weights, temporary = prm.state_dict() if weights is None else weights, path.rstrip("/") + ".tmp"
+def save_prm(path: str, prm, base_backbone=None, weights=None, args=None, trainer_state=None, step=None) -> None:
+    """Backbone or LoRA adapter (base_backbone under base/), reward_head.safetensors, tokenizer, prm_config.json,
+    and for a checkpoint args.json and trainer_state.pt; weights: a sharded PRM's, gathered. Written to PATH.tmp,
+    then renamed: a save cut short leaves no half PRM."""
+    if weights is None:
+        weights = prm.state_dict()
+    temporary = path.rstrip("/") + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
     backbone = {name.removeprefix("backbone."): w for name, w in weights.items() if name.startswith("backbone.")}
     prm.backbone.save_pretrained(temporary, state_dict=backbone, max_shard_size="1000GB")  # one file, to reload
     if base_backbone is not None:
         base_backbone.save_pretrained(os.path.join(temporary, "base"))
     prm.tokenizer.save_pretrained(temporary)
-    save_file(
-        {name: weights[f"head.{name}"].detach().float().contiguous().cpu() for name in ("weight", "bias")},
-        os.path.join(temporary, "reward_head.safetensors"),
-    )
+    head = {name: weights[f"head.{name}"].detach().float().contiguous().cpu() for name in ("weight", "bias")}
+    save_file(head, os.path.join(temporary, "reward_head.safetensors"))
     Path(temporary, "prm_config.json").write_text(json.dumps({**prm.config, "step": step}, indent=2))
     if trainer_state is not None:
         Path(temporary, "args.json").write_text(json.dumps(asdict(args), indent=2))
@@ -455,68 +507,63 @@ def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False
     config = json.loads(Path(path, "prm_config.json").read_text())
     dtype = dtype or getattr(torch, config["dtype"])
     config["dtype"] = str(dtype).removeprefix("torch.")  # what predict computes in
-    base = os.path.join(path, "base") if config["base_model"] == "base" else config["base_model"]
-    backbone = AutoModel.from_pretrained(
-        base if config["lora"] else path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    backbone = PeftModel.from_pretrained(backbone, path) if config["lora"] else backbone
-    prm = ProcessRewardModel(backbone, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code), config)
+    if config["lora"]:
+        base = config["base_model"]
+        if base == "base":  # the tiny model's random weights, saved beside the adapter
+            base = os.path.join(path, "base")
+        backbone = AutoModel.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
+        backbone = PeftModel.from_pretrained(backbone, path)
+    else:
+        backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    prm = ProcessRewardModel(backbone, tokenizer, config)
     prm.head.load_state_dict(load_file(os.path.join(path, "reward_head.safetensors")))
     return prm.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
 
 
 @torch.no_grad()
-def predict(prm: ProcessRewardModel, examples: list[dict], batch_size: int) -> list[list[float]]:
+def predict(prm, examples, batch_size):
     """Scores of every kept step: sigmoid(logit) for bce, the raw output for mse; batched by length."""
-    was_training, device, dtype = prm.training, prm.head.weight.device, getattr(torch, prm.config["dtype"])
+    was_training = prm.training
+    device = prm.head.weight.device
+    dtype = getattr(torch, prm.config["dtype"])
     prm.eval()
-    order = sorted((i for i, e in enumerate(examples) if e["positions"]), key=lambda i: len(examples[i]["input_ids"]))
-    scores: list[list[float]] = [[] for _ in examples]  # an example with no step kept has no score
+    scores = [[] for _ in examples]  # an example with no step kept has no score
+    with_steps = [i for i, example in enumerate(examples) if example["positions"]]
+    order = sorted(with_steps, key=lambda i: len(examples[i]["input_ids"]))
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         batch = collate([examples[i] for i in chunk], prm.tokenizer.pad_token_id or 0, device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = prm(batch["input_ids"], batch["position_ids"], batch["positions"])  # [b, S]
-        # fp64: fp32's sigmoid is exactly 1.0 past a logit of 16.6, which would tie confident steps
-        values = torch.sigmoid(logits.double()) if prm.config["loss_kind"] == "bce" else logits
+            values = prm(batch["input_ids"], batch["position_ids"], batch["positions"])  # [b, S]
+        if prm.config["loss_kind"] == "bce":
+            # fp64: fp32's sigmoid is exactly 1.0 past a logit of 16.6, which would tie confident steps
+            values = torch.sigmoid(values.double())
         for row, i in enumerate(chunk):
             scores[i] = values[row, : len(examples[i]["positions"])].tolist()
     prm.train(was_training)
     return scores
 
 
-def score_steps(
-    prm: ProcessRewardModel, prompts: list[str], steps: list[list[str]], batch_size: int = 32
-) -> list[list[float]]:
+def score_steps(prm, prompts: list[str], steps: list[list[str]], batch_size: int = 32) -> list[list[float]]:
     """One score per kept step of each solution (none past the PRM's max_length), tokenised as in training."""
-    examples = [
-        dict(
-            zip(
-                ("input_ids", "positions"),
-                build_prm_example(
-                    prm.tokenizer,
-                    prompt,
-                    solution,
-                    step_separator=prm.config["step_separator"],
-                    max_length=prm.config["max_length"],
-                ),
-            ),
-            labels=None,
-        )
-        for prompt, solution in zip(prompts, steps, strict=True)
-    ]
+    rows = [{"prompt": p, "completions": s, "labels": []} for p, s in zip(prompts, steps, strict=True)]
+    examples = encode_rows(prm.tokenizer, rows, prm.config["step_separator"], prm.config["max_length"])
     return predict(prm, examples, batch_size)
 
 
-def evaluate(prm: ProcessRewardModel, val_examples: list[dict], eval_examples: list[dict], batch_size: int) -> dict:
+def evaluate(prm, val_examples, eval_examples, batch_size):
     """The first-error threshold chosen on the validation rows, every metric taken on the eval rows."""
-    threshold = choose_threshold(predict(prm, val_examples, batch_size), [e["all_labels"] for e in val_examples])
-    scores, labels = predict(prm, eval_examples, batch_size), [e["all_labels"] for e in eval_examples]
-    flat = [s for row in scores for s in row]
-    flat_labels = [y for row, all_labels in zip(scores, labels) for y in all_labels[: len(row)]]  # of the scored steps
+    val_labels = [example["all_labels"] for example in val_examples]
+    threshold = choose_threshold(predict(prm, val_examples, batch_size), val_labels)
+    scores = predict(prm, eval_examples, batch_size)
+    labels = [example["all_labels"] for example in eval_examples]
+    # the step metrics over the scored steps (none past max_length); first-error F1 over every label
+    flat_scores = [score for row in scores for score in row]
+    flat_labels = [label for row, row_labels in zip(scores, labels) for label in row_labels[: len(row)]]
     return {
-        "eval_step_accuracy": step_accuracy(flat, flat_labels),
-        "eval_auroc": auroc(flat, flat_labels),
+        "eval_step_accuracy": step_accuracy(flat_scores, flat_labels),
+        "eval_auroc": auroc(flat_scores, flat_labels),
         "eval_first_error_f1": first_error_f1(scores, labels, threshold)[0],
         "eval_threshold": threshold,
     }
@@ -539,277 +586,280 @@ RUN_DEFINING = (
     "seed",
     "fsdp",
 )
+CONSOLE_KEYS = {
+    "loss": "loss",
+    "accuracy": "acc",
+    "grad_norm": "gnorm",
+    "eval_auroc": "auroc",
+    "eval_first_error_f1": "fe_f1",
+    "step_time_s": "dt",
+}
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0}  # dense bf16
 
 
-def check_flags(args: Args, world: int) -> None:
-    for ok, message in (
-        (
-            min(
-                args.batch_size,
-                args.total_steps,
-                args.max_length,
-                args.eval_batch_size,
-                args.learning_rate,
-                args.max_grad_norm,
-            )
-            > 0,
-            "--batch-size, --total-steps, --max-length, --eval-batch-size, --learning-rate "
-            "and --max-grad-norm must be > 0",
-        ),
-        (
-            min(
-                args.warmup_steps,
-                args.eval_every,
-                args.save_every,
-                args.num_eval_rows,
-                args.num_val_rows,
-                args.lora_r,
-                args.micro_batch_size,
-            )
-            >= 0,
-            "--warmup-steps, --eval-every, --save-every, --num-eval-rows, "
-            "--num-val-rows, --lora-r and --micro-batch-size must be >= 0",
-        ),
-        (
-            args.batch_size % world == 0 and args.micro_batch_size <= args.batch_size // world,
-            f"--batch-size must be a multiple of the {world} processes, --micro-batch-size at most each one's share",
-        ),
-        (not args.fsdp or "RANK" in os.environ, "--fsdp shards over processes: it needs a launch by torchrun"),
-    ):
-        if not ok:
-            raise UserError(message)
+def check_flags(args, world):
+    """The flag values users get wrong, each a one-line UserError before anything is loaded."""
+    for name in ["batch_size", "total_steps", "max_length", "eval_batch_size", "learning_rate", "max_grad_norm"]:
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0")
+    for name in ["warmup_steps", "eval_every", "save_every", "num_eval_rows", "num_val_rows", "lora_r"]:
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.batch_size % world != 0:
+        raise UserError(f"--batch-size must be a multiple of the {world} processes")
+    if not 0 <= args.micro_batch_size <= args.batch_size // world:
+        raise UserError("--micro-batch-size must be >= 0 and at most each process's share of --batch-size")
+    if args.fsdp and "RANK" not in os.environ:
+        raise UserError("--fsdp shards over processes: it needs a launch by torchrun")
 
 
-def shard_prm(prm: ProcessRewardModel, device: torch.device, dtype: torch.dtype) -> None:
+def shard_prm(prm, device, dtype):
     """FSDP2 (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html), a unit per transformer block, the
     head one in fp32; gradients reduced in fp32 and summed: each process's loss is a share of the batch mean."""
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    blocks = {name for module in prm.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    block_names = set()  # the block classes transformers keeps whole when it splits a model
+    for module in prm.modules():
+        block_names.update(getattr(module, "_no_split_modules", None) or [])
+    blocks = [module for module in prm.backbone.modules() if type(module).__name__ in block_names]
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for module in [m for m in prm.backbone.modules() if type(m).__name__ in blocks] + [prm.head, prm]:
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for module in [*blocks, prm.head, prm]:  # (the head in fp32 throughout)
         fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy() if module is prm.head else policy)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
 
 
-def checkpoint_steps(output_dir: str) -> list[int]:  # (not checkpoint-N.tmp: a save cut short)
-    return sorted(int(path.name[11:]) for path in Path(output_dir).glob("checkpoint-*") if path.name[11:].isdigit())
+def get_lr(step, args):
+    """The learning rate of optimiser step `step` (from 0): linear warm-up, then constant or a cosine decay to 0."""
+    warmup = min(1.0, (step + 1) / max(1, args.warmup_steps))
+    if args.lr_schedule == "constant":
+        return args.learning_rate * warmup
+    progress = min(1, max(0, step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
+    return args.learning_rate * (warmup * (1 + math.cos(math.pi * progress)) / 2)
 
 
-def resolve_run(args: Args, run_name: str) -> tuple[str, str | None]:
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed, epoch, num_examples):
+    """The order of the training examples in this epoch."""
+    # a fresh seeded permutation per epoch: the step number alone gives the data position, which is all resuming needs
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def all_reduce_gradients(parameters):
+    """Sum every process's gradients, in one flat all-reduce (one collective rather than one per tensor)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat)
+    for p, grad in zip(parameters, flat.split([grad.numel() for grad in grads])):
+        p.grad = grad.view_as(p)
+
+
+def checkpoint_steps(output_dir):
+    """The steps of the checkpoints in output_dir, oldest first (not checkpoint-N.tmp: a save cut short)."""
+    names = [path.name.removeprefix("checkpoint-") for path in Path(output_dir).glob("checkpoint-*")]
+    return sorted(int(name) for name in names if name.isdigit())
+
+
+def resolve_run(args, run_name):
     """The output directory and the checkpoint to resume from (None: a new run), checked."""
-    path = args.resume_from
-    output_dir = args.output_dir or (
-        os.path.dirname(os.path.abspath(path.rstrip("/")))
-        if path not in (None, "latest")
-        else os.path.join("runs", run_name)
-    )
-    if path == "latest":
-        path = os.path.join(output_dir, f"checkpoint-{(checkpoint_steps(output_dir) or [0])[-1]}")
-    if path is None and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
-        raise UserError(
-            f"{output_dir} already holds a run: continue it with --resume-from latest, or pass another --output-dir"
-        )
-    if path is not None:
-        if not os.path.isfile(os.path.join(path, "args.json")):
-            raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {path}")
-        saved = json.loads(Path(path, "args.json").read_text())
-        differ = [
-            f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
-            for key in RUN_DEFINING
-            if saved[key] != getattr(args, key)
-        ]
-        if differ:
-            raise UserError(f"--resume-from {path}: the checkpoint's run differs ({'; '.join(differ)})")
-    return output_dir, path
+    resume_path = args.resume_from
+    output_dir = args.output_dir or os.path.join("runs", run_name)
+    if not args.output_dir and resume_path not in (None, "latest"):  # the checkpoint's own run
+        output_dir = os.path.dirname(os.path.abspath(resume_path.rstrip("/")))
+    if resume_path == "latest":  # (checkpoint-0 where there is none, reported below)
+        resume_path = os.path.join(output_dir, f"checkpoint-{max(checkpoint_steps(output_dir), default=0)}")
+    if resume_path is None and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
+        raise UserError(f"{output_dir} already holds a run: add --resume-from latest, or pass another --output-dir")
+    if resume_path is None:
+        return output_dir, None
+    if not os.path.isfile(os.path.join(resume_path, "args.json")):
+        raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {resume_path}")
+    saved = json.loads(Path(resume_path, "args.json").read_text())
+    differ = [
+        f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
+        for key in RUN_DEFINING
+        if saved[key] != getattr(args, key)
+    ]
+    if differ:
+        raise UserError(f"--resume-from {resume_path}: the checkpoint's run differs ({'; '.join(differ)})")
+    return output_dir, resume_path
 
 
-def save_run(path: str, prm, base_copy, args: Args, state: dict, optimizer=None) -> None:
+def save_run(path, prm, base_copy, args, state, optimizer=None):
     """final/, or with the optimiser a checkpoint (the newest two kept); every process calls it, rank 0 writes."""
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = dcp.get_model_state_dict(prm, options=options)
-    optimizer_state = dcp.get_optimizer_state_dict(prm, optimizer, options=options) if optimizer else None
-    if int(os.environ.get("RANK", "0")) == 0:
-        trainer_state = {**state, "optimizer": optimizer_state} if optimizer else None
-        save_prm(path, prm, base_copy, weights, args, trainer_state, state["step"])
-        for old in checkpoint_steps(os.path.dirname(path))[:-2]:
-            shutil.rmtree(os.path.join(os.path.dirname(path), f"checkpoint-{old}"))
+    trainer_state = None  # final/ holds no trainer state
+    if optimizer is not None:
+        trainer_state = {**state, "optimizer": dcp.get_optimizer_state_dict(prm, optimizer, options=options)}
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    save_prm(path, prm, base_copy, weights, args, trainer_state, state["step"])
+    output_dir = os.path.dirname(path)
+    for old in checkpoint_steps(output_dir)[:-2]:
+        shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
 
 
-def train(args: Args) -> dict:
+def train(args):
     # ---- set-up: processes, device, dtype, output directory; every check before anything is written
     disable_progress_bar()  # (transformers' bars for writing weights would break into the log's lines)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
     distributed = "RANK" in os.environ  # launched by torchrun
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device != "auto":
+        device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # under torchrun, this process's GPU
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if device.index is None else device.index)
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     check_flags(args, world)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo") if distributed else None
-    bf16 = args.dtype == "bfloat16" or args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    use_bf16 = args.dtype == "bfloat16"
+    if args.dtype == "auto":
+        use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
     stamp = torch.tensor([int(time.time())], device=device)
-    dist.broadcast(stamp, src=0) if distributed else None  # one run name on every process
+    if distributed:  # one run name on every process
+        dist.broadcast(stamp, src=0)
     output_dir, resume_path = resolve_run(args, f"prm__{args.seed}__{int(stamp.item())}")
     seed_everything(args.seed)  # the same on every process: identical initial weights
 
     # ---- data (a bad line fails before any model loads), model, tokenisation, optimiser
-    if args.data_path is None:
-        rows = builtin_task(args.seed, args.num_val_rows, 0 if args.eval_data_path else args.num_eval_rows)
-    else:  # validation rows only where there are eval rows to choose a threshold for
-        rows = load_rows(args.data_path)
-        random.Random(args.seed).shuffle(rows)
-        num_val = min(args.num_val_rows, len(rows) // 10) if args.eval_data_path else 0
-        rows = rows[num_val:], rows[:num_val], []
-    if args.eval_data_path:
-        rows = rows[0], rows[1], load_rows(args.eval_data_path)[: args.num_eval_rows]
+    train_rows, val_rows, eval_rows = load_splits(args)
     prm, base_copy = build_prm(args, dtype, resume_path)
-    encoded = [encode_rows(prm.tokenizer, split, args.step_separator, args.max_length) for split in rows]
-    dropped_steps = sum(len(e["all_labels"]) - len(e["positions"]) for split in encoded for e in split)
-    dropped_rows = sum(not e["positions"] for split in encoded for e in split)
-    # held-out rows with no step left stay: their first error still counts, as a miss
-    train_examples, (_, val_examples, eval_examples) = [e for e in encoded[0] if e["positions"]], encoded
+    train_encoded = encode_rows(prm.tokenizer, train_rows, args.step_separator, args.max_length)
+    val_examples = encode_rows(prm.tokenizer, val_rows, args.step_separator, args.max_length)
+    eval_examples = encode_rows(prm.tokenizer, eval_rows, args.step_separator, args.max_length)
+    encoded = train_encoded + val_examples + eval_examples
+    dropped_steps = sum(len(example["all_labels"]) - len(example["positions"]) for example in encoded)
+    dropped_rows = sum(not example["positions"] for example in encoded)
+    # a training row with no step left is left out; a held-out one stays: its first error still counts, as a miss
+    train_examples = [example for example in train_encoded if example["positions"]]
     if not train_examples:
         raise UserError(f"every training row was truncated away by --max-length {args.max_length}")
-    shard_prm(prm, device, dtype) if args.fsdp else prm.to(device)
+    if args.fsdp:
+        shard_prm(prm, device, dtype)
+    else:
+        prm.to(device)
     prm.train()
     if args.gradient_checkpointing:  # (the non-reentrant kind: LoRA's frozen inputs need no gradient)
         prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     trainable = [p for p in prm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
-    warmup, decay = args.warmup_steps, max(1, args.total_steps - args.warmup_steps)  # linear, then constant or cosine
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: (
-            min(1.0, (step + 1) / max(1, warmup))
-            * (
-                1.0
-                if args.lr_schedule == "constant"
-                else (1 + math.cos(math.pi * min(1, max(0, step - warmup) / decay))) / 2
-            )
-        ),
-    )
-    start_step, eval_start = 0, None
+    start_step = 0
+    eval_start = {}  # the held-out metrics before training
     if resume_path:
         state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-        dcp.set_optimizer_state_dict(
-            prm, optimizer, state["optimizer"], options=dcp.StateDictOptions(full_state_dict=True)
-        )
-        scheduler.load_state_dict(state["scheduler"])
+        options = dcp.StateDictOptions(full_state_dict=True)
+        dcp.set_optimizer_state_dict(prm, optimizer, state["optimizer"], options=options)
         torch.set_rng_state(state["rng"])
-        start_step, eval_start = state["step"], state["eval_start"]
+        start_step = state["step"]
+        eval_start = state["eval_start"]
 
     # ---- logging: nothing is written before this point
-    dist.barrier() if distributed else None  # every process has checked --output-dir before rank 0 writes to it
+    if distributed:  # every process has checked --output-dir before rank 0 writes to it
+        dist.barrier()
     metrics_file = Path(output_dir, "metrics.jsonl")
     if rank == 0 and resume_path and metrics_file.exists():  # rows logged after the checkpoint are redone
         lines = metrics_file.read_text().splitlines(keepends=True)
         metrics_file.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
-    console = {
-        "loss": "loss",
-        "accuracy": "acc",
-        "grad_norm": "gnorm",
-        "eval_auroc": "auroc",
-        "eval_first_error_f1": "fe_f1",
-        "step_time_s": "dt",
-    }
     logger = RunLogger(
         output_dir,
         asdict(args),
-        console_keys=console,
+        console_keys=CONSOLE_KEYS,
         track=args.track,
         enabled=rank == 0,
         wandb_project=args.wandb_project_name,
         append=bool(resume_path),
     )
-    num_params, num_trained = sum(p.numel() for p in prm.parameters()), sum(p.numel() for p in trainable)
-    if eval_start is None:
-        eval_start = evaluate(prm, val_examples, eval_examples, args.eval_batch_size) if eval_examples else {}
-        logger.log(0, eval_start) if eval_start else None
-    order = functools.lru_cache(maxsize=2)(
-        lambda epoch: np.random.default_rng([args.seed, epoch]).permutation(len(train_examples))
-    )  # a fresh permutation per epoch: the step number alone gives the data position
-    micro = args.micro_batch_size or args.batch_size // world
-    step_times, step_tokens, stop_signals, stop = [], [], [], False
-    previous = {
-        sig: signal.signal(sig, lambda sig, frame: stop_signals.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)
-    }  # a signal ends the step, then saves a checkpoint
+    if eval_examples and not resume_path:  # (a resumed run's come from its checkpoint)
+        eval_start = evaluate(prm, val_examples, eval_examples, args.eval_batch_size)
+        logger.log(0, eval_start)
+    num_params = sum(p.numel() for p in prm.parameters())
+    num_trained = sum(p.numel() for p in trainable)
+    micro = args.micro_batch_size or args.batch_size // world  # rows per forward/backward pass
+    pad_id = prm.tokenizer.pad_token_id or 0
+    step_times = []
+    step_tokens = []
+    stop = False
+    stop_signals = []  # a signal ends the step, then a checkpoint is saved
+    previous_handlers = {
+        sig: signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     run_start = time.perf_counter()
     try:
         for step in range(start_step, args.total_steps):
             step_start = time.perf_counter()
             # 1. batch: the global batch, of which this process takes every world-th row
-            batch = [
-                train_examples[order(p // len(train_examples))[p % len(train_examples)]]
-                for p in range(step * args.batch_size, (step + 1) * args.batch_size)
-            ]
-            num_labelled = sum(len(e["positions"]) for e in batch)  # the loss's divisor, over all processes
+            batch = []
+            for position in range(step * args.batch_size, (step + 1) * args.batch_size):
+                epoch, index = divmod(position, len(train_examples))
+                batch.append(train_examples[epoch_order(args.seed, epoch, len(train_examples))[index]])
+            num_labelled = sum(len(example["positions"]) for example in batch)  # the loss's divisor, all processes
             local = batch[rank::world]
+
             # 2. forward and backward per micro-batch, gradients accumulating
-            sums = torch.zeros(3, device=device)  # loss, correct steps, stop signals
+            loss_sum = torch.zeros((), device=device)
+            correct_sum = torch.zeros((), device=device)
             for start in range(0, len(local), micro):
-                inputs = collate(local[start : start + micro], prm.tokenizer.pad_token_id or 0, device, args.pack_rows)
-                with torch.autocast(device.type, dtype=dtype, enabled=bf16):
-                    step_logits = prm(inputs["input_ids"], inputs["position_ids"], inputs["positions"])  # [r, S]
-                loss, stats = prm_loss(
-                    step_logits, inputs["labels"], inputs["labels"] >= 0, args.loss_kind, num_labelled=num_labelled
-                )
+                inputs = collate(local[start : start + micro], pad_id, device, args.pack_rows)
+                with torch.autocast(device.type, dtype=dtype, enabled=use_bf16):
+                    step_logits = prm(inputs["input_ids"], inputs["position_ids"], inputs["positions"])  # [R, S]
+                labels = inputs["labels"]  # [R, S], -1 where there is no step
+                loss, stats = prm_loss(step_logits, labels, labels >= 0, args.loss_kind, num_labelled=num_labelled)
                 loss.backward()
-                sums[:2] += torch.stack([loss.detach(), stats["accuracy"] * stats["steps"]])
-            sums[2] = len(stop_signals)
-            # 3. all-reduce, clip, step
-            if distributed:  # one flat all-reduce, a sum (each loss is a share of the batch mean already); FSDP's
-                grads = [] if args.fsdp else [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
-                flat = torch.cat([g.reshape(-1) for g in grads] + [sums])  # reduce-scatter has summed its gradients
-                dist.all_reduce(flat)
-                *reduced, sums = flat.split([g.numel() for g in grads] + [3])
-                for p, g in zip(trainable, reduced):
-                    p.grad = g.view_as(p)
+                loss_sum += loss.detach()
+                correct_sum += stats["accuracy"] * stats["steps"]
+
+            # 3. all-reduce the gradients, clip, step
+            if distributed and not args.fsdp:  # (FSDP's reduce-scatter has summed its gradients already)
+                all_reduce_gradients(trainable)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # (FSDP)
-            learning_rate = optimizer.param_groups[0]["lr"]
+            if args.fsdp:  # a DTensor
+                grad_norm = grad_norm.full_tensor()
+            learning_rate = get_lr(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(device) if device.type == "cuda" else None  # (for the step's time)
+            if device.type == "cuda":  # (for the step's time)
+                torch.cuda.synchronize(device)
             step_times.append(time.perf_counter() - step_start)
-            step_tokens.append(sum(len(e["input_ids"]) for e in batch))
+            step_tokens.append(sum(len(example["input_ids"]) for example in batch))
+
             # 4. log, evaluate, save
+            # the loss, correct steps and signals summed over processes: every process stops after the same step
+            totals = torch.stack([loss_sum, correct_sum, torch.tensor(float(len(stop_signals)), device=device)])
+            if distributed:
+                dist.all_reduce(totals)
+            loss_total, num_correct, num_signals = totals.tolist()
             metrics = {
-                "loss": sums[0].item(),
-                "accuracy": sums[1].item() / max(num_labelled, 1),
+                "loss": loss_total,
+                "accuracy": num_correct / max(num_labelled, 1),
                 "grad_norm": grad_norm.item(),
                 "learning_rate": learning_rate,
                 "labelled_steps": num_labelled,
                 "step_time_s": step_times[-1],
             }
-            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps and eval_examples:
+            eval_due = args.eval_every > 0 and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps
+            if eval_due and eval_examples:
                 metrics.update(evaluate(prm, val_examples, eval_examples, args.eval_batch_size))
             logger.log(step + 1, metrics)
-            stop = sums[2].item() > 0  # every process stops after the same step
-            if stop or (args.save_every and (step + 1) % args.save_every == 0):
-                save_run(
-                    os.path.join(output_dir, f"checkpoint-{step + 1}"),
-                    prm,
-                    base_copy,
-                    args,
-                    {
-                        "scheduler": scheduler.state_dict(),
-                        "step": step + 1,
-                        "rng": torch.get_rng_state(),
-                        "eval_start": eval_start,
-                    },
-                    optimizer,
-                )  # (the data position is the step number)
+            stop = num_signals > 0
+            if stop or (args.save_every > 0 and (step + 1) % args.save_every == 0):
+                state = {"step": step + 1, "rng": torch.get_rng_state(), "eval_start": eval_start}
+                save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), prm, base_copy, args, state, optimizer)
             if stop:
                 break
     finally:
-        for sig, handler in previous.items():
+        for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
-    total_time, steps_done = time.perf_counter() - run_start, start_step + len(step_times)
+    total_time = time.perf_counter() - run_start
+    steps_done = start_step + len(step_times)
     if stop:
         print0(
             f"stopped by a signal after step {steps_done}, checkpoint-{steps_done} saved: continue with the same "
@@ -817,26 +867,30 @@ def train(args: Args) -> dict:
             enabled=rank == 0,
         )
         logger.close()
-        dist.destroy_process_group() if distributed else None
-        return {"steps": steps_done, "interrupted": True, "signal": (stop_signals or [signal.SIGTERM])[0]}
+        if distributed:
+            dist.destroy_process_group()
+        # a process that got no signal itself stopped with the others: it reports SIGTERM
+        received = stop_signals[0] if stop_signals else signal.SIGTERM
+        return {"steps": steps_done, "interrupted": True, "signal": received}
 
     # ---- final save, evaluation and summary
     save_run(os.path.join(output_dir, "final"), prm, base_copy, args, {"step": steps_done})
-    eval_end = evaluate(prm, val_examples, eval_examples, args.eval_batch_size) if eval_examples else {}
-    logger.log(steps_done, eval_end) if eval_end else None
-    timed = slice(1, None) if len(step_times) > 1 else slice(None)  # the first step pays for warm-up
-    tokens_per_s = sum(step_tokens[timed]) / max(sum(step_times[timed]), 1e-9)
-    peak_memory = (
-        torch.cuda.max_memory_allocated(device)
-        if device.type == "cuda"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    ) / 2**20  # (Linux: KiB)
+    eval_end = {}
+    if eval_examples:
+        eval_end = evaluate(prm, val_examples, eval_examples, args.eval_batch_size)
+        logger.log(steps_done, eval_end)
+    first_timed = int(len(step_times) > 1)  # the first step pays for warm-up: left out, unless it is the only one
+    tokens_per_s = sum(step_tokens[first_timed:]) / max(sum(step_times[first_timed:]), 1e-9)
+    if device.type == "cuda":
+        peak_memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak_memory_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (Linux: KiB)
     summary = {
         "steps": steps_done,
         "total_time_s": total_time,
-        "step_time_s_mean": float(np.mean(step_times[timed])),
+        "step_time_s_mean": float(np.mean(step_times[first_timed:])),
         "tokens_per_s": tokens_per_s,
-        "peak_memory_mb": peak_memory,
+        "peak_memory_mb": peak_memory_mb,
         **{f"{key}_start": value for key, value in eval_start.items()},
         **{f"{key}_end": value for key, value in eval_end.items()},
         "train_rows": len(train_examples),
@@ -847,41 +901,39 @@ def train(args: Args) -> dict:
         "trainable_parameters": num_trained,
     }
     if device.type == "cuda":  # MFU: 6 FLOPs per weight and token (4 with LoRA: no frozen weights' gradients)
-        body = num_params - prm.backbone.get_input_embeddings().weight.numel()
-        peak = (
-            next(
-                (tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name(device)),
-                float("nan"),
-            )
-            if bf16
-            else float("nan")
-        )
-        summary["mfu"] = (6 if args.lora_r == 0 else 4) * body * tokens_per_s / world / (peak * 1e12)
+        flops_per_weight = 6 if args.lora_r == 0 else 4
+        body = num_params - prm.backbone.get_input_embeddings().weight.numel()  # (embedding lookups are no FLOPs)
+        gpu = torch.cuda.get_device_name(device)
+        peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in gpu), float("nan"))
+        if not use_bf16:  # PEAK_TFLOPS holds bf16 peaks
+            peak = float("nan")
+        summary["mfu"] = flops_per_weight * body * tokens_per_s / world / (peak * 1e12)
     logger.summary(summary)
     logger.close()
-    dist.destroy_process_group() if distributed else None
+    if distributed:
+        dist.destroy_process_group()
     return summary
 
 
-def score_file(args: Args) -> dict:
+def score_file(args):
     """--prm-path: every row of --data-path with its step scores added, written to --scores-output."""
     if args.data_path is None:
         raise UserError("--prm-path scores the rows of --data-path: give one")
     rows = load_rows(args.data_path, need_labels=False)
-    prm = load_prm(
-        args.prm_path,
-        None if args.device == "auto" else args.device,
-        None if args.dtype == "auto" else getattr(torch, args.dtype),
-    )
-    scores = score_steps(
-        prm, [row["prompt"] for row in rows], [row["completions"] for row in rows], args.eval_batch_size
-    )
-    Path(args.scores_output).write_text("".join(json.dumps({**r, "scores": s}) + "\n" for r, s in zip(rows, scores)))
-    print0(f"scored {sum(map(len, scores))} steps of {len(rows)} rows into {args.scores_output}")
-    return {"rows": len(rows), "scored_steps": sum(map(len, scores))}
+    device = None if args.device == "auto" else args.device  # None: load_prm's default, cuda when available
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)  # None: the PRM's training dtype
+    prm = load_prm(args.prm_path, device, dtype)
+    prompts = [row["prompt"] for row in rows]
+    solutions = [row["completions"] for row in rows]
+    scores = score_steps(prm, prompts, solutions, args.eval_batch_size)
+    lines = [json.dumps({**row, "scores": row_scores}) + "\n" for row, row_scores in zip(rows, scores)]
+    Path(args.scores_output).write_text("".join(lines))
+    num_scored = sum(len(row_scores) for row_scores in scores)
+    print0(f"scored {num_scored} steps of {len(rows)} rows into {args.scores_output}")
+    return {"rows": len(rows), "scored_steps": num_scored}
 
 
-def main() -> None:
+def main():
     try:
         args = tyro.cli(Args)
         summary = score_file(args) if args.prm_path else train(args)
