@@ -184,7 +184,7 @@ def grpo_loss(
     Per token, with r = exp(logp - old_logp):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + kl_coef KL.
     importance_sampling "sequence" (GSPO): a row's tokens share r = exp(the row's mean log r). delta caps the unclipped
     r (INTELLECT-2). kl_ratio_weighted: KL times the token's r. policy_loss "cispo" (MiniMax-M1): the policy term is
-    -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp, which no clip silences. rollout_weights [B, T] weigh the policy term.
+    -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp, which no clip silences. rollout_weights [B, T] weigh that term.
     With N sequences and M tokens in the batch (total_sequences and total_tokens, when this call sees a part of it):
         grpo: (1/N) sum_i (sum_t l m / sum_t m)   bnpo, dapo: sum l m / M   dr_grpo: sum l m / (N max_completion_length)
     so the losses of the parts (micro-batches, processes) sum to the batch's. Returns (loss, stats): token means over
@@ -196,7 +196,6 @@ def grpo_loss(
     mask = mask.to(dtype)
     in_loss = mask.bool()
     adv = advantages.to(dtype).unsqueeze(1)  # [B, 1]
-
     # the importance ratio r = pi / pi_old, per token or one per sequence
     log_ratio = torch.where(in_loss, logp - old_logp, 0.0)  # padding may hold anything: exp(inf) * 0 would be NaN
     if importance_sampling == "token":
@@ -206,7 +205,6 @@ def grpo_loss(
         ratio = mean_log_ratio.exp().expand_as(logp)  # [B, T]
     else:
         raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
-
     # the policy term
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     if policy_loss == "ppo":  # the pessimistic surrogate: the smaller of the unclipped and clipped objective, either A
@@ -220,7 +218,6 @@ def grpo_loss(
         raise ValueError(f"policy_loss must be ppo or cispo, got {policy_loss!r}")
     if rollout_weights is not None:
         pg_loss = pg_loss * rollout_weights
-
     # the KL penalty to the reference policy
     token_loss = pg_loss
     kl = None
@@ -229,19 +226,16 @@ def grpo_loss(
         if kl_ratio_weighted:  # the tokens come from pi_old: r = pi / pi_old weighs them to pi
             kl = log_ratio.exp() * kl
         token_loss = pg_loss + kl_coef * kl  # [B, T]
-
     # the aggregation over the whole batch
-    if total_sequences is None:
-        total_sequences = logp.shape[0]
-    if total_tokens is None:
-        total_tokens = mask.sum().item()
+    num_sequences = total_sequences if total_sequences is not None else logp.shape[0]
+    num_tokens = total_tokens if total_tokens is not None else mask.sum().item()
     row_sums = (token_loss * mask).sum(1)  # [B]
     if loss_type == "grpo":  # each completion's token mean, then the mean over completions (the paper)
-        loss = (row_sums / mask.sum(1).clamp(min=1.0)).sum() / total_sequences
+        loss = (row_sums / mask.sum(1).clamp(min=1.0)).sum() / num_sequences
     elif loss_type in ("bnpo", "dapo"):  # every token weighs the same: a long completion weighs by its length
-        loss = row_sums.sum() / max(total_tokens, 1.0)
+        loss = row_sums.sum() / max(num_tokens, 1.0)
     elif loss_type == "dr_grpo":  # a constant normaliser: no length bias (Dr. GRPO)
-        loss = row_sums.sum() / (total_sequences * max_completion_length)
+        loss = row_sums.sum() / (num_sequences * max_completion_length)
     else:
         raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
 
@@ -617,6 +611,10 @@ def encode_prompts(tokenizer, rows: list[dict], args: Args) -> list[list[int]]:
                 f"{where}: the prompt is {len(ids)} tokens, over --max-prompt-length {args.max_prompt_length}"
             )
         encoded.append(ids)
+    unknown = sum(tokenizer.unk_token_id in ids for ids in encoded)
+    if unknown:  # characters the tokenizer cannot spell: the model never sees them, a sure way to learn nothing
+        message = f"{unknown} of {len(encoded)} prompts hold the unknown token {tokenizer.unk_token}"
+        print0(f"warning: {message}", file=sys.stderr, enabled=int(os.environ.get("RANK", 0)) == 0)
     return encoded
 
 
@@ -1331,12 +1329,6 @@ def train(args: Args) -> dict:
     model = policy.model
     train_prompts = encode_prompts(policy.tokenizer, train_rows, args)
     eval_prompts = encode_prompts(policy.tokenizer, eval_rows, args)
-    unknown = sum(policy.tokenizer.unk_token_id in ids for ids in train_prompts)
-    if unknown:  # characters the tokenizer cannot spell: the model never sees them
-        message = (
-            f"{unknown} of {len(train_prompts)} training prompts hold the unknown token {policy.tokenizer.unk_token}"
-        )
-        print0(f"warning: {message}", file=sys.stderr, enabled=is_main)
     reward_fns = make_reward_fns(args, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=True)

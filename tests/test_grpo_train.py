@@ -460,7 +460,7 @@ def test_warnings_name_what_keeps_a_run_from_learning(tmp_path):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     flags = ["--data-path", str(tmp_path / "data.jsonl"), "--max-new-tokens", "1", "--format-reward-weight", "0"]
     stderr = run(tmp_path / "run", *flags, "--total-steps", "7").stderr
-    assert stderr.count("8 of 8 training prompts hold the unknown token <unk>") == 1
+    assert stderr.count("8 of 8 prompts hold the unknown token <unk>") == 1
     assert stderr.count("most completions were cut at --max-new-tokens 1, none with a right answer") == 1
     assert stderr.count("every group's completions got equal rewards") == 1
     quiet = run(tmp_path / "quiet", "--total-steps", "7", "--prompts-per-step", "8", "--group-size", "16").stderr
