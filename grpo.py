@@ -352,59 +352,98 @@ def load_jsonl(path: str) -> list[dict]:
     return rows
 
 
-# Answers: numbers are compared exactly as fractions by the code below, anything else by Math-Verify (TRL's checker).
-MARKED = re.compile(r"####[ \t]*([^\sA-Za-z#*][^\n]*)")  # GSM8K's "#### 72", not a heading ("#### Step 2")
-ANSWER_IS = re.compile(r"answer(?:\s+is\b|\s*:)[\s:]*", re.IGNORECASE)
-BOXED = re.compile(r"\\boxed\s*\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")  # braces nested twice at most
-# a number that is no part of an expression (not the 2 of x^2, x_2, \pi/2, 2x, \sqrt{2}) nor of a scale (5 million)
-NUMBER = re.compile(
-    r"(?<![\w.^_/{])-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?"
-    r"(?![\w^\\]|\s+(?:hundred|thousand|[mbr]illion))"
+# Answers: the last answer a text states, compared exactly as a number (a fraction), else by Math-Verify (TRL's).
+# a stated answer: GSM8K's "#### 72" (not "#### Step 2"); the line under PRM800K's "# Answer" heading; "The answer is
+# $18$.", "Answer: 7" or GSM8K's "A: 72" (up to ", because ..."), but not prose ("the answer is correct")
+SAID = re.compile(
+    r"^####[ \t]*(?P<marked>[^\sA-Za-z#*][^\n]*)"
+    r"|^#+[ \t]*(?:final[ \t]+)?answer[ \t:]*\n\s*(?P<heading>[^\n]+)"
+    r"|(?:answer(?:[ \t]+is\b|[ \t]*:)|^A:)[\s:]*(?![A-Za-z]{2})"
+    r"(?P<sentence>[^\s.:](?:[^\n.,]|\.(?=\S)|,(?!\s*[a-z]{2}))*)",
+    re.IGNORECASE | re.MULTILINE,
 )
-# what only decorates a number: $18, 28\%, 90^\circ, 5\text{ cm}, \(5\); and a unit word after it, 18 dollars
-NOISE = re.compile(r"\\?[$%]|\\[!,()[\]]|\^\s*\{?\\circ\}?|°|\\(?:text|mbox)\s*\{[^{}]*\}")
-UNIT = re.compile(r"(?<=\d)(?:\s+(?!(?:hundred|thousand|[mbr]illion)\b)[A-Za-z]{2,}(?:\^[23]|[²³])?)+$")
-# \frac{3}{4} and \dfrac34 as 3/4, but not after a digit: 2\frac{1}{2} is a mixed number, for Math-Verify
-FRACTION = re.compile(r"(?<![\d.])\\[cdt]?frac\s*(?:\{\s*(-?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
-# sympy takes seconds, or forever, on power towers and huge powers or factorials: refused before Math-Verify
-PATHOLOGICAL = re.compile(r"\^\s*(?:\{[^{}]*|\([^()]*|\d+\s*)\^|\^\s*[{(]?\s*\d{5,}|\d{5,}\s*!")
+BOX = re.compile(r"\\boxed\s*\{")  # a box opens: \boxed{
+BOXED = re.compile(BOX.pattern + r"((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")  # and closes: \boxed{\frac{1}{2}}, 2 deep
+TOGETHER = re.compile(r"[\W_]*(?:\b(?:or|and)\b[\W_]*)?")  # between answers stated together: \boxed{5} or \boxed{6}
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])|\n\s*\n")  # "... is 18. Then" or a blank line
+MATHS = re.compile(r"\$([^$]+)\$")  # inline maths: $AB = 2\sqrt{3}$
+PROSE = re.compile(r"(?<![\\{])\b(?!and\b)[a-z]{3,}\b")  # a word ("so she makes"), not \tan, {pmatrix}, AB, and
+# what only decorates an answer: $18, \$18, 28\%, 90^\circ, 5\text{ cm}, \left(, \!, \(5\)
+NOISE = re.compile(r"\\?[$%]|°|\^\s*\{?\\circ\}?|\\(?:text|mbox)\s*\{\s[^{}]*\}(?:\^\d)?|\\(?:left|right|[!,;()[\]])")
+WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}|\{([,:.])\}")  # \text{(C)} -> (C), 1{,}234 -> 1,234
+LIST_WORD = re.compile(r"\s*(?:\\text\{\s*(?:or|and)\s*\}|\b(?:or|and)\b)\s*")  # "5 or 6" is the list 5, 6
+# \frac{3}{4}, \dfrac34 as 3/4; 3\frac{6}{11}, a mixed number, as 3 6/11
+FRACTION = re.compile(r"(?P<whole>\d\s*)?\\[cdt]?frac\s*\{?(?P<top>-?\d+)\}?\s*\{?(?P<bottom>\d+)\}?(?![\w.])")
+# a number as written: 1,234.5, .2, -3/4, +5, 31.95/2, 3 6/11, 32 million; not the 2 of x^2, x_2, 2x or \pi/2
+NUMBER = re.compile(
+    r"(?<![\w.^_/{])(?P<sign>[-+]?)(?:(?P<whole>\d+)\s+(?=\d+/\d))?"
+    r"(?P<top>(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/(?P<bottom>\d+(?:\.\d+)?))?"
+    r"(?:\s*(?P<scale>thousand|million|billion|trillion)\b)?(?![\w^\\])"
+)
+SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
+UNIT = re.compile(r"(?<=\d)(?:\s+(?!(?:thousand|[mbtr]illion)\b)[A-Za-z]+(?:\^[23]|[²³])?)+$")  # 18 dollars, 6 cm^2
+# not maths, refused before Math-Verify: no digit nor letter ("()"), or an operator at an end ("5+", "/5", ")5")
+MALFORMED = re.compile(r"^[^\dA-Za-z]*$|^[*/=^,)\]]|[-+*/=^,(\[]$")
+# sympy takes seconds, or forever, on power towers, huge powers, factorials and binomials: refused before Math-Verify
+PATHOLOGICAL = re.compile(r"\^\s*(?:\{[^{}]*|\([^()]*|\d+\s*)\^|\^[{(]?\d{5,}|(?:\d{4,}|[)}])\s*!|\\binom\{\d{4,}")
 
 
-def final_answer(text: str, numeric: bool = True, joined: bool = False) -> str | None:
-    """The `####` line, else the \\boxed{}, else what the last "answer is" says (or the text): its last number, or the
-    last $...$ for a symbolic answer. None for no answer, an unclosed box, or several (a hedge) unless joined."""
-    marked = {line.strip(" .*$") for line in MARKED.findall(text)}
-    if len(marked) > 1:
+def last_stated(text: str) -> list[str | None]:
+    """The last answer the text states and those stated together with it ("\\boxed{5} or \\boxed{6}"), in order, or [];
+    None for a box left open (the text was cut at the token limit)."""
+    boxes = [(match.start(), match.end(), match[1]) for match in BOXED.finditer(text)]
+    closed = {box[0] for box in boxes}
+    boxes += [(match.start(), len(text), None) for match in BOX.finditer(text) if match.start() not in closed]
+    said = [(match.start(match.lastgroup), match.end(), match[match.lastgroup]) for match in SAID.finditer(text)]
+    said = [span for span in said if not any(span[0] <= box[0] < span[1] for box in boxes)]  # "is $\\boxed{5}$"
+    found = sorted(boxes + said)
+    group = found[-1:]
+    for earlier in reversed(found[:-1]):
+        if not TOGETHER.fullmatch(text[earlier[1] : group[-1][0]]):
+            break
+        group.append(earlier)
+    return [answer for _, _, answer in reversed(group)]
+
+
+def unstated(text: str, numeric: bool) -> str | None:
+    """A text that states no answer: for a number, a prose ending's last number (GSM8K's "... so she makes $18.");
+    else the last sentence's last $...$, or that sentence when it is bare maths ("3\\frac{6}{11}", "(49/10)^2")."""
+    last = SENTENCE_END.split(text.strip())[-1]
+    prose = PROSE.search(NOISE.sub("", last))  # a unit, "6\\text{ square units}", is no prose
+    if numeric and prose:
+        return ([None] + [match[0] for match in NUMBER.finditer(normalise(text))])[-1]
+    maths = MATHS.findall(last)
+    if maths:
+        return maths[-1]
+    if prose:
         return None
-    if marked and "\\boxed" not in (text := marked.pop()):  # a #### line with a box: only it is parsed
-        return text
-    found = BOXED.findall(text)
-    contents = list(dict.fromkeys(content.strip(" .$") for content in found))
-    if len(found) < len(re.findall(r"\\boxed\s*\{", text)) or (len(contents) > 1 and not joined):
-        return None  # a box left open (cut at the token limit), or a hedge
-    if contents:
-        return ", ".join(contents)
-    said = list(ANSWER_IS.finditer(text))
-    tail = text[said[-1].end() :].split("\n", 1)[0].split(". ")[0] if said else text
-    if not numeric:  # the last $...$ of the last sentence: not one before a cut-off
-        last = re.split(r"(?<=[.!?])\s+(?=[A-Z])|\n\s*\n", tail.strip())[-1]
-        return ([""] + re.findall(r"\$+([^$]+)\$", last))[-1].strip(" .$") or last.strip(" .$") or None
-    numbers = NUMBER.findall(normalise(tail))
-    return numbers[-1] if numbers else None
+    return last
 
 
 def normalise(text: str) -> str:
-    text = NOISE.sub("", text.replace("{,}", ",").replace("\u2212", "-"))
-    return FRACTION.sub(lambda m: f"{m[1] or m[2]}/{m[3] or m[4]}", text)
+    """Drops what only decorates an answer: '$18.00.' -> '18.00', '\\text{(C)}' -> '(C)', '5 or 6' -> '5, 6'."""
+    text = NOISE.sub("", LIST_WORD.sub(", ", text.replace("\u2212", "-")))
+    text = WRAPPER.sub(r"\1\2", text)
+    return text.strip(" *\n").removesuffix(".").strip()
 
 
-def parse_number(text: str) -> Fraction | None:
-    """'1,234' -> 1234, '$7.50' -> 15/2, '\\frac{3}{4}' -> 3/4, '18 dollars' -> 18; None for what is not a number."""
-    match = NUMBER.fullmatch(UNIT.sub("", normalise(text).strip()))
-    try:
-        return Fraction(match[0].replace(",", "")) if match else None
-    except ZeroDivisionError:
+@functools.lru_cache(maxsize=4096)  # a group's reference, and many of its answers, recur
+def parse_number(text: str) -> tuple[int, int] | None:
+    """A normalised number as written, as (numerator, denominator): '1,234' -> (1234, 1), '7.50' -> (15, 2),
+    '3\\frac{6}{11}' -> (39, 11), '72/375' -> (72, 375) unreduced (MATH asks for lowest terms). None: not a number."""
+    slashed = FRACTION.sub(lambda match: f"{match['whole'] or ''} {match['top']}/{match['bottom']}".strip(), text)
+    match = NUMBER.fullmatch(UNIT.sub("", slashed))
+    if match is None or float(match["bottom"] or 1) == 0:
         return None
+    top = Fraction(match["top"].replace(",", "")) * SCALES.get(match["scale"], 1)
+    bottom = Fraction(match["bottom"] or 1)
+    top += int(match["whole"] or 0) * bottom
+    if match["sign"] == "-":
+        top = -top
+    if top.denominator == bottom.denominator == 1:  # a fraction of integers, as written
+        return top.numerator, bottom.numerator
+    value = top / bottom
+    return value.numerator, value.denominator
 
 
 @functools.lru_cache(maxsize=4096)  # a group's completions often state the same answer
@@ -417,29 +456,69 @@ def symbolic_equal(stated: str, reference: str) -> bool:
     return verify(*(parse(f"${text}$", parsing_timeout=None) for text in (reference, stated)), timeout_seconds=None)
 
 
+def same_answer(stated: str, reference: str) -> bool:
+    """Numbers exactly as written, letters as text, the rest by Math-Verify; an equation against a value is its right
+    side (x = 5), against an equation it is lhs - (rhs), so that a sign the problem fixes counts."""
+    if not stated or len(stated) > 200:
+        return False
+    stated, reference = normalise(stated), normalise(reference)
+    if stated == reference:  # what Math-Verify cannot read, as 12:30 or 1011_2, must at least match itself
+        return True
+    if "=" in stated and "=" not in reference:
+        stated = stated.rsplit("=", 1)[1].strip()
+    numbers = parse_number(stated), parse_number(reference)
+    if None not in numbers:
+        return numbers[0] == numbers[1]
+    words = [re.sub(r"[\s()]", "", text).lower() for text in (stated, reference)]
+    if any(word.isascii() and word.isalpha() for word in words):  # LXQS, (C): as text, not Math-Verify's L*X*Q*S
+        return words[0] == words[1]
+    if MALFORMED.search(stated) or stated.count("(") + stated.count("[") != stated.count(")") + stated.count("]"):
+        return False  # "(5" is no maths either: its brackets do not balance
+    if PATHOLOGICAL.search(stated) or PATHOLOGICAL.search(reference):
+        return False
+    if "=" in stated and "=" in reference:
+        stated, reference = ["{}-({})".format(*side.split("=", 1)) for side in (stated, reference)]
+    return symbolic_equal(stated, reference)
+
+
+def reference_answer(answer: str) -> str | None:
+    """The answer a reference states last (a worked solution: GSM8K's `#### 72`, MATH's \\boxed{}), or the reference
+    itself; None for a box left open or no short answer."""
+    references = last_stated(answer) or [answer.strip()]
+    reference = ", ".join(dict.fromkeys(filter(None, references)))
+    if None in references or len(reference) > 200:
+        return None
+    return reference
+
+
+def stated_answer(completion: str, numeric: bool) -> str | None:
+    """The answer a completion states last, with those stated together ("\\boxed{1} and \\boxed{2}" is "1, 2"); None
+    for none or a box left open. numeric: the reference is a number (see unstated)."""
+    stated = last_stated(completion) or [unstated(completion, numeric)]
+    if None in stated:
+        return None
+    return ", ".join(dict.fromkeys(stated))
+
+
 def answer_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion's final answer equals the reference's: exactly when both are numbers, else by
-    Math-Verify. A reference with `####` or \\boxed{} is a worked solution (GSM8K, MATH): its final answer counts."""
-    reference = final_answer(answer, joined=True) if "####" in answer or "\\boxed" in answer else answer.strip(" .$")
-    stated = final_answer(completion, numeric=parse_number(reference) is not None) if reference else None
-    if not stated or len(stated) > 200 or PATHOLOGICAL.search(stated):
+    """1.0 when the answer the completion states last equals the reference's (see reference_answer)."""
+    reference = reference_answer(answer)
+    if reference is None:
         return 0.0
-    values = parse_number(stated), parse_number(reference)
-    return float(values[0] == values[1] if None not in values else symbolic_equal(stated, reference))
+    stated = stated_answer(completion, parse_number(normalise(reference)) is not None)
+    return float(stated is not None and same_answer(stated, reference))
 
 
 def format_reward(completion: str, answer: str) -> float:
     """1.0 for a bare canonical number (not "05"), or a text that ends with `#### n` or a non-empty \\boxed{...}."""
     text = completion.strip()
     end = text.removesuffix(".").rstrip().rstrip("$").removesuffix("\\]").removesuffix("\\)").rstrip()
-    boxed = (last := re.search(BOXED.pattern + "$", end)) is not None and last[1].strip() != ""
-    return float(
-        bool(
-            re.fullmatch(r"-?(?:0|[1-9]\d*)(?:\.\d+)?", text)
-            or boxed
-            or re.search(r"####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$", end)
-        )
-    )
+    last_box = re.search(BOXED.pattern + "$", end)
+    if last_box and last_box[1].strip():
+        return 1.0
+    if re.fullmatch(r"-?(?:0|[1-9]\d*)(?:\.\d+)?", text):
+        return 1.0
+    return float(bool(re.search(r"####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$", end)))
 
 
 def compute_rewards(prompts: list[str], completions: list[str], answers: list[str], reward_fns: list) -> dict:
@@ -981,22 +1060,20 @@ def take_groups(rounds: list[Round], kept: list[tuple[int, int]], group_size: in
     return Round(Rollout(*tensors), sample_rows, completions, rewards, reward)
 
 
-def majority_right(texts: list[str], reference: str) -> float:
-    """maj@k of one prompt: 1.0 when the answer its completions state most often is right. Two answers are one when
-    answer_reward says so; a completion that states none does not vote."""
-    most_votes = 0
-    majority = None
-    for text in texts:
-        candidate = final_answer(text)
-        if candidate is None:
-            continue
-        votes = sum(answer_reward(other, candidate) for other in texts)
-        if votes > most_votes:
-            most_votes = votes
-            majority = text
-    if majority is None:
+def majority_right(completions: list[str], answer: str) -> float:
+    """maj@k of one prompt: 1.0 when the answer its completions state most often is right. Two answers count as one
+    when same_answer says so; a completion that states none does not vote."""
+    reference = reference_answer(answer)
+    if reference is None:
         return 0.0
-    return answer_reward(majority, reference)
+    numeric = parse_number(normalise(reference)) is not None
+    stated = [stated_answer(completion, numeric) for completion in completions]
+    votes = {
+        candidate: sum(same_answer(other, candidate) for other in stated if other) for candidate in stated if candidate
+    }
+    if not votes:
+        return 0.0
+    return float(same_answer(max(votes, key=votes.get), reference))
 
 
 @torch.no_grad()
