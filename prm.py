@@ -92,8 +92,10 @@ class Args:
     # Evaluation, saving, scoring, system
     eval_every: int = 100  # held-out metrics every this many steps (always at the start and the end)
     eval_batch_size: int = 64  # rows per forward pass in evaluation and scoring
-    save_every: int = 0  # checkpoint-STEP/ every this many steps (0: on SIGTERM/SIGINT only); the newest two kept
+    save_every: int = 0  # checkpoint-STEP/ every this many steps and at the end (0: only when stopped by a signal)
+    keep_checkpoints: int = 2  # the newest checkpoints kept (0 = all)
     resume_from: str | None = None  # a checkpoint-STEP/ directory, or `latest` (the newest in --output-dir)
+    overwrite: bool = False  # replace a run already in --output-dir
     prm_path: str | None = None  # score the rows of --data-path with this saved PRM instead of training
     scores_output: str = "scores.jsonl"  # with --prm-path: each row with its "scores" added
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype; auto = bf16 on CUDA (weights stay fp32)
@@ -571,21 +573,12 @@ def evaluate(prm, val_examples, eval_examples, batch_size):
 
 # ---- Training
 
-# what a resumed run must share with its checkpoint's: the model, the rows and their order, the loss, the batch
-RUN_DEFINING = (
-    "model",
-    "data_path",
-    "num_val_rows",
-    "step_separator",
-    "max_length",
-    "lora_r",
-    "lora_alpha",
-    "lora_target_modules",
-    "loss_kind",
-    "batch_size",
-    "seed",
-    "fsdp",
-)
+# the flags a resume may change; every other must be the checkpoint's (--eval-data-path decides --data-path's val rows)
+MAY_CHANGE_ON_RESUME = (
+    "total_steps eval_every eval_batch_size num_eval_rows save_every keep_checkpoints resume_from output_dir"
+    " overwrite track wandb_project_name micro_batch_size gradient_checkpointing pack_rows device dtype prm_path"
+    " scores_output"
+).split()
 CONSOLE_KEYS = {
     "loss": "loss",
     "accuracy": "acc",
@@ -599,10 +592,10 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4":
 
 def check_flags(args, world):
     """The flag values users get wrong, each a one-line UserError before anything is loaded."""
-    for name in ["batch_size", "total_steps", "max_length", "eval_batch_size", "learning_rate", "max_grad_norm"]:
+    for name in "batch_size total_steps max_length eval_batch_size learning_rate max_grad_norm".split():
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0")
-    for name in ["warmup_steps", "eval_every", "save_every", "num_eval_rows", "num_val_rows", "lora_r"]:
+    for name in "warmup_steps eval_every save_every keep_checkpoints num_eval_rows num_val_rows lora_r".split():
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0")
     if args.batch_size % world != 0:
@@ -659,33 +652,67 @@ def checkpoint_steps(output_dir):
     return sorted(int(name) for name in names if name.isdigit())
 
 
-def resolve_run(args, run_name):
-    """The output directory and the checkpoint to resume from (None: a new run), checked."""
+def prepare_output_dir(args, device):
+    """(output directory, checkpoint to resume from or None, the summary of a resumed run that is already finished).
+
+    A directory holds a run when it holds a checkpoint or a final PRM: what a crash leaves (logs) is no run.
+    """
+    stamp = torch.tensor([int(time.time())], device=device)
+    if dist.is_initialized():  # rank 0's clock: one run name everywhere
+        dist.broadcast(stamp, src=0)
+    output_dir = args.output_dir or os.path.join("runs", f"prm__{args.seed}__{int(stamp.item())}")
+    if not args.output_dir and args.resume_from not in (None, "latest"):  # the checkpoint's own run
+        output_dir = os.path.dirname(os.path.abspath(args.resume_from.rstrip("/")))
+    steps = checkpoint_steps(output_dir)
+    if args.resume_from is None:
+        if (steps or os.path.isdir(os.path.join(output_dir, "final"))) and not args.overwrite:
+            raise UserError(
+                f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it, "
+                "or pass another --output-dir"
+            )
+        return output_dir, None, None
     resume_path = args.resume_from
-    output_dir = args.output_dir or os.path.join("runs", run_name)
-    if not args.output_dir and resume_path not in (None, "latest"):  # the checkpoint's own run
-        output_dir = os.path.dirname(os.path.abspath(resume_path.rstrip("/")))
-    if resume_path == "latest":  # (checkpoint-0 where there is none, reported below)
-        resume_path = os.path.join(output_dir, f"checkpoint-{max(checkpoint_steps(output_dir), default=0)}")
-    if resume_path is None and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
-        raise UserError(f"{output_dir} already holds a run: add --resume-from latest, or pass another --output-dir")
-    if resume_path is None:
-        return output_dir, None
-    if not os.path.isfile(os.path.join(resume_path, "args.json")):
-        raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {resume_path}")
-    saved = json.loads(Path(resume_path, "args.json").read_text())
-    differ = [
-        f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
-        for key in RUN_DEFINING
-        if saved[key] != getattr(args, key)
-    ]
-    if differ:
-        raise UserError(f"--resume-from {resume_path}: the checkpoint's run differs ({'; '.join(differ)})")
-    return output_dir, resume_path
+    if resume_path == "latest" and steps:
+        resume_path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
+    if resume_path != "latest":
+        if not os.path.isfile(os.path.join(resume_path, "args.json")):
+            raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {resume_path}")
+        saved = json.loads(Path(resume_path, "args.json").read_text())
+        differ = [
+            f"--{key.replace('_', '-')} {saved[key]!r} there, {value!r} here"
+            for key, value in asdict(args).items()
+            if key not in MAY_CHANGE_ON_RESUME and saved[key] != value
+        ]
+        if differ:
+            raise UserError(f"--resume-from {resume_path}: the checkpoint's run differs ({'; '.join(differ)})")
+    summary_path = Path(output_dir, "summary.json")
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        if summary["steps"] >= args.total_steps:
+            return output_dir, None, summary
+    if resume_path == "latest":
+        raise UserError(
+            f"--resume-from latest: {output_dir} holds no checkpoint (a run writes them with --save-every N, and when "
+            "stopped by a signal); --overwrite starts it anew"
+        )
+    return output_dir, resume_path, None
+
+
+def restore(path, output_dir, prm, optimizer):
+    """The optimiser and random state of a checkpoint, the logs cut back to its step; its trainer state."""
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    options = dcp.StateDictOptions(full_state_dict=True)
+    dcp.set_optimizer_state_dict(prm, optimizer, state["optimizer"], options=options)
+    torch.set_rng_state(state["rng"])
+    metrics_file = Path(output_dir, "metrics.jsonl")
+    if int(os.environ.get("RANK", "0")) == 0 and metrics_file.exists():  # rows logged after the checkpoint are redone
+        lines = metrics_file.read_text().splitlines(keepends=True)
+        metrics_file.write_text("".join(line for line in lines if json.loads(line)["step"] <= state["step"]))
+    return state
 
 
 def save_run(path, prm, base_copy, args, state, optimizer=None):
-    """final/, or with the optimiser a checkpoint (the newest two kept); every process calls it, rank 0 writes."""
+    """final/, or with the optimiser a checkpoint (--keep-checkpoints kept); every process calls it, rank 0 writes."""
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = dcp.get_model_state_dict(prm, options=options)
     trainer_state = None  # final/ holds no trainer state
@@ -695,7 +722,7 @@ def save_run(path, prm, base_copy, args, state, optimizer=None):
         return
     save_prm(path, prm, base_copy, weights, args, trainer_state, state["step"])
     output_dir = os.path.dirname(path)
-    for old in checkpoint_steps(output_dir)[:-2]:
+    for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints]:  # (--keep-checkpoints 0: [:0], none removed)
         shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
 
 
@@ -721,10 +748,14 @@ def train(args):
     if args.dtype == "auto":
         use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    stamp = torch.tensor([int(time.time())], device=device)
-    if distributed:  # one run name on every process
-        dist.broadcast(stamp, src=0)
-    output_dir, resume_path = resolve_run(args, f"prm__{args.seed}__{int(stamp.item())}")
+    output_dir, resume_path, finished = prepare_output_dir(args, device)
+    if finished is not None:
+        message = f"the run finished at step {finished['steps']}; a larger --total-steps extends it"
+        print0(f"{output_dir}: {message}", enabled=rank == 0)
+        if distributed:
+            dist.destroy_process_group()
+        return finished
+    print0(f"output directory: {output_dir}", enabled=rank == 0)
     seed_everything(args.seed)  # the same on every process: identical initial weights
 
     # ---- data (a bad line fails before any model loads), model, tokenisation, optimiser
@@ -749,23 +780,20 @@ def train(args):
         prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     trainable = [p for p in prm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
-    start_step = 0
-    eval_start = {}  # the held-out metrics before training
-    if resume_path:
-        state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-        options = dcp.StateDictOptions(full_state_dict=True)
-        dcp.set_optimizer_state_dict(prm, optimizer, state["optimizer"], options=options)
-        torch.set_rng_state(state["rng"])
-        start_step = state["step"]
-        eval_start = state["eval_start"]
 
     # ---- logging: nothing is written before this point
     if distributed:  # every process has checked --output-dir before rank 0 writes to it
         dist.barrier()
-    metrics_file = Path(output_dir, "metrics.jsonl")
-    if rank == 0 and resume_path and metrics_file.exists():  # rows logged after the checkpoint are redone
-        lines = metrics_file.read_text().splitlines(keepends=True)
-        metrics_file.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
+    start_step = 0
+    eval_start = {}  # the held-out metrics before training
+    if resume_path:
+        state = restore(resume_path, output_dir, prm, optimizer)
+        start_step = state["step"]
+        eval_start = state["eval_start"]
+    elif rank == 0:  # what an earlier run left: a crash's, or the run --overwrite replaces (metrics.jsonl: the logger)
+        for name in ["final", *[f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]]:
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        Path(output_dir, "summary.json").unlink(missing_ok=True)
     logger = RunLogger(
         output_dir,
         asdict(args),
@@ -850,7 +878,7 @@ def train(args):
                 metrics.update(evaluate(prm, val_examples, eval_examples, args.eval_batch_size))
             logger.log(step + 1, metrics)
             stop = num_signals > 0
-            if stop or (args.save_every > 0 and (step + 1) % args.save_every == 0):
+            if stop or (args.save_every > 0 and ((step + 1) % args.save_every == 0 or step + 1 == args.total_steps)):
                 state = {"step": step + 1, "rng": torch.get_rng_state(), "eval_start": eval_start}
                 save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), prm, base_copy, args, state, optimizer)
             if stop:
