@@ -86,6 +86,7 @@ class Args:
     batch_size: int = 32  # rows per optimiser step, over all processes
     micro_batch_size: int = 0  # rows per forward/backward pass (gradient accumulation); 0 = the local batch
     learning_rate: float = 1e-3  # AdamW (1e-5 is typical for full fine-tuning of real models, 1e-4 for LoRA)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     max_grad_norm: float = 1.0  # gradients are clipped to this global L2 norm before each step
     warmup_steps: int = 20  # linear learning-rate warm-up
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up
@@ -779,7 +780,7 @@ def train(args):
     if args.gradient_checkpointing:  # (the non-reentrant kind: LoRA's frozen inputs need no gradient)
         prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     trainable = [p for p in prm.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
+    optimizer = torch.optim.AdamW(trainable, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=True)
 
     # ---- logging: nothing is written before this point
     if distributed:  # every process has checked --output-dir before rank 0 writes to it
