@@ -292,8 +292,12 @@ def load_rows(path, need_labels=True):
     """The rows of a JSONL file, blank lines skipped; a bad row is a UserError naming its line."""
     if not os.path.isfile(path):
         raise UserError(f"data file {path} does not exist")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise UserError(f"cannot read data file {path}: {error}") from None
     rows = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -436,16 +440,21 @@ class ProcessRewardModel(torch.nn.Module):
 def build_prm(args, dtype, resume_path=None):
     """A PRM on the CPU (with a checkpoint's weights when resuming) computing in `dtype` under autocast, its weights
     fp32 but a hub model's frozen LoRA base (without FSDP); and with LoRA, a copy of the tiny base to save."""
+    local = os.path.exists(os.path.expanduser(args.model))
+    if not local and (args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):  # a path, not ORG/NAME
+        raise UserError(f"--model {args.model} does not exist")
     if args.model == "tiny":  # a 3-layer, 64-wide Llama, random init from the seed
         tokenizer = build_tiny_tokenizer()
         sizes = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4)
         backbone = LlamaModel(LlamaConfig(vocab_size=len(tokenizer), pad_token_id=0, **sizes))
-    elif not os.path.isdir(args.model) and args.model.startswith((".", "/", "~")):
-        raise UserError(f"--model {args.model} does not exist")
     else:
         weights_dtype = dtype if args.lora_r and not args.fsdp else torch.float32  # only a frozen base in `dtype`
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        backbone = AutoModel.from_pretrained(args.model, dtype=weights_dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+            backbone = AutoModel.from_pretrained(args.model, dtype=weights_dtype)
+        except (OSError, ValueError) as error:
+            reason = f"{str(error).strip().splitlines()[0]} (HF_HUB_OFFLINE=1 skips the hub's retries)"
+            raise UserError(f"could not load --model {args.model}: {reason}") from None
     # how prm_config.json names the base: a hub id, an absolute path, or "base" (saved beside the adapter)
     base_model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
     base_copy = None
@@ -505,6 +514,8 @@ def save_prm(path: str, prm, base_backbone=None, weights=None, args=None, traine
 
 def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False) -> ProcessRewardModel:
     """A PRM saved by save_prm, in eval mode (device None: cuda when available; dtype None: its training dtype)."""
+    if not os.path.exists(path):
+        raise UserError(f"{path} does not exist")
     if not os.path.isfile(os.path.join(path, "prm_config.json")):
         raise UserError(f"{path} is not a PRM saved by prm.py (no prm_config.json in it)")
     config = json.loads(Path(path, "prm_config.json").read_text())
@@ -966,8 +977,12 @@ def main():
     try:
         args = tyro.cli(Args)
         summary = score_file(args) if args.prm_path else train(args)
+    except KeyboardInterrupt:  # while starting (then a signal ends the step and saves): nothing to save yet
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process meets the error: one message
+            print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     if summary.get("interrupted"):  # checkpointed, not finished: exit as a shell reports the signal
         sys.exit(128 + summary["signal"])

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import prm
-from conftest import made_dir, run_in_process
+from conftest import made_dir, run_in_process, run_script_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--batch-size", "8", "--num-eval-rows", "40", "--num-val-rows", "20", "--warmup-steps", "2"]
@@ -225,6 +225,20 @@ def test_keep_checkpoints_keeps_the_newest(keep, kept, tmp_path):
     assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == kept
 
 
+def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(monkeypatch, capsys, tmp_path):
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prm, "load_splits", interrupt)
+    code, stderr = run_script_main(prm.main, "prm.py", ["--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 130 and stderr == "interrupted\n"
+
+
+def test_under_torchrun_only_rank_0_prints_the_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert run_script_main(prm.main, "prm.py", ["--batch-size", "0"], capsys) == (2, "")
+
+
 def test_sigterm_saves_a_checkpoint_first_and_the_run_resumes_from_it(tmp_path):
     out, original = tmp_path / "run", signal.getsignal(signal.SIGTERM)
 
@@ -371,6 +385,12 @@ def bad_rows(tmp_path: Path, *lines: str) -> list[str]:
     return ["--data-path", str(write_rows(tmp_path / "rows.jsonl", list(lines)))]
 
 
+def latin1_rows(tmp_path: Path) -> Path:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "café", "completions": ["b"], "labels": [1]}\n'.encode("latin-1"))
+    return path
+
+
 GOOD = '{"prompt": "start 3\\n", "completions": ["3+1=4"], "labels": [true]}'
 BAD_INPUTS = {
     "data file missing": (
@@ -425,6 +445,14 @@ BAD_INPUTS = {
     "fsdp without torchrun": (lambda tmp, run: ["--fsdp"], r"--fsdp .*needs a launch by torchrun"),
     "scoring without rows": (lambda tmp, run: ["--prm-path", str(run / "final")], r"--prm-path scores the rows"),
     "not a prm": (lambda tmp, run: ["--prm-path", str(tmp), *bad_rows(tmp, GOOD)], r"is not a PRM saved by prm.py"),
+    "prm path missing": (
+        lambda tmp, run: ["--prm-path", str(tmp / "nowhere"), *bad_rows(tmp, GOOD)],
+        r"nowhere does not exist",
+    ),
+    "data file not UTF-8": (
+        lambda tmp, run: ["--data-path", str(latin1_rows(tmp))],
+        r"cannot read data file .*latin1.jsonl: 'utf-8' codec can't decode",
+    ),
 }
 
 
