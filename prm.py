@@ -777,12 +777,16 @@ def train(args):
     val_examples = encode_rows(prm.tokenizer, val_rows, args.step_separator, args.max_length)
     eval_examples = encode_rows(prm.tokenizer, eval_rows, args.step_separator, args.max_length)
     encoded = train_encoded + val_examples + eval_examples
-    dropped_steps = sum(len(example["all_labels"]) - len(example["positions"]) for example in encoded)
+    dropped = [label for example in encoded for label in example["all_labels"][len(example["positions"]) :]]
     dropped_rows = sum(not example["positions"] for example in encoded)
     # a training row with no step left is left out; a held-out one stays: its first error still counts, as a miss
     train_examples = [example for example in train_encoded if example["positions"]]
     if not train_examples:
         raise UserError(f"every training row was truncated away by --max-length {args.max_length}")
+    if dropped and rank == 0:  # wrong steps come last: truncation loses them first
+        num_steps = sum(len(example["all_labels"]) for example in encoded)
+        message = f"drops {len(dropped):,} of {num_steps:,} steps, {sum(label < 0.5 for label in dropped):,} of them"
+        print0(f"warning: --max-length {args.max_length} {message} labelled wrong: raise --max-length", file=sys.stderr)
     if args.fsdp:
         shard_prm(prm, device, dtype)
     else:
@@ -935,7 +939,7 @@ def train(args):
         **{f"{key}_end": value for key, value in eval_end.items()},
         "train_rows": len(train_examples),
         "eval_rows": len(eval_examples),
-        "dropped_steps": dropped_steps,
+        "dropped_steps": len(dropped),
         "dropped_rows": dropped_rows,
         "parameters": num_params,
         "trainable_parameters": num_trained,
@@ -966,8 +970,10 @@ def score_file(args):
     prompts = [row["prompt"] for row in rows]
     solutions = [row["completions"] for row in rows]
     scores = score_steps(prm, prompts, solutions, args.eval_batch_size)
-    lines = [json.dumps({**row, "scores": row_scores}) + "\n" for row, row_scores in zip(rows, scores)]
-    Path(args.scores_output).write_text("".join(lines))
+    lines = []
+    for row, row_scores in zip(rows, scores):  # a step past the PRM's max_length scores null
+        lines.append(json.dumps({**row, "scores": row_scores + [None] * (len(row["completions"]) - len(row_scores))}))
+    Path(args.scores_output).write_text("".join(line + "\n" for line in lines))
     num_scored = sum(len(row_scores) for row_scores in scores)
     print0(f"scored {num_scored} steps of {len(rows)} rows into {args.scores_output}")
     return {"rows": len(rows), "scored_steps": num_scored}

@@ -225,6 +225,30 @@ def test_keep_checkpoints_keeps_the_newest(keep, kept, tmp_path):
     assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == kept
 
 
+def test_a_max_length_that_drops_steps_says_how_many_and_how_many_were_wrong(tmp_path):
+    # bos + "start 3\n" is 9 tokens, each step and its newline 6: --max-length 21 keeps two steps of three
+    wrong_last = {"prompt": "start 3\n", "completions": ["3+1=4", "4-1=3", "1+1=2"], "labels": [1, 1, 0]}
+    right_last = {**wrong_last, "completions": ["3+1=4", "4-1=3", "3-2=1"], "labels": [1, 1, 1]}
+    rows = write_rows(tmp_path / "rows.jsonl", [wrong_last] * 4 + [right_last] * 2)
+    out = tmp_path / "run"
+    process = run_prm("--data-path", rows, "--output-dir", out, "--max-length", "21", "--total-steps", "1", *NO_EVAL)
+    warning = "warning: --max-length 21 drops 6 of 18 steps, 4 of them labelled wrong: raise --max-length\n"
+    assert warning in process.stderr
+    assert json.loads((out / "summary.json").read_text())["dropped_steps"] == 6
+
+
+def test_a_step_past_the_prms_max_length_scores_null(trained, tmp_path):
+    short = tmp_path / "short"
+    shutil.copytree(trained / "final", short)
+    config = json.loads((short / "prm_config.json").read_text())
+    (short / "prm_config.json").write_text(json.dumps({**config, "max_length": 21}))  # two steps of three fit
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "start 3\n", "completions": ["3+1=4", "4-1=3", "3-2=1"]}])
+    out = tmp_path / "scores.jsonl"
+    run_prm("--prm-path", short, "--data-path", rows, "--scores-output", out)
+    (written,) = read_jsonl(out)
+    assert written["scores"][2] is None and all(isinstance(score, float) for score in written["scores"][:2])
+
+
 def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(monkeypatch, capsys, tmp_path):
     def interrupt(*args):
         raise KeyboardInterrupt
