@@ -18,7 +18,7 @@ Where it departs from the papers and from other trainers:
    mask keeps apart (Llama, Qwen, Mistral...); recurrent backbones need --no-pack-rows. The backbone must be causal.
 
 Run it:
-    python prm.py                     # tiny model, built-in stepwise task, CPU, under a minute; flags: --help
+    python prm.py                     # tiny model, built-in task, CPU: about 20-30 s on 2 cores; flags: --help
     python prm.py --model Qwen/Qwen2.5-0.5B --data-path steps.jsonl --eval-data-path steps_eval.jsonl \\
         --lora-r 16 --learning-rate 1e-4 --step-separator $'\\n\\n' --output-dir runs/qwen-prm
     python prm.py --prm-path runs/qwen-prm/final --data-path rows.jsonl --scores-output scores.jsonl  # scoring
@@ -68,7 +68,7 @@ class Args:
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works; WANDB_ENTITY picks the team)
     wandb_project_name: str = "prm"  # the Weights & Biases project of the run, with --track
     # Model and data
-    model: str = "tiny"  # `tiny` (a small random-init Llama built here, no download), or a hub id or local path
+    model: str = "tiny"  # `tiny` (a 3-layer random-init Llama built here, no download), or a hub id or local path
     data_path: str | None = None  # JSONL rows {"prompt", "completions", "labels"}; None = the built-in task
     eval_data_path: str | None = None  # JSONL held-out rows; None = built-in ones (none with --data-path)
     num_eval_rows: int = 500  # at most this many held-out rows are evaluated
@@ -514,6 +514,7 @@ def save_prm(path: str, prm, base_backbone=None, weights=None, args=None, traine
 
 def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False) -> ProcessRewardModel:
     """A PRM saved by save_prm, in eval mode (device None: cuda when available; dtype None: its training dtype)."""
+    disable_progress_bar()  # (transformers' bars for loading weights would break into the caller's log)
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist")
     if not os.path.isfile(os.path.join(path, "prm_config.json")):
