@@ -98,7 +98,7 @@ class Args:
     resume_from: str | None = None  # a checkpoint-STEP/ directory, or `latest` (the newest in --output-dir)
     overwrite: bool = False  # replace a run already in --output-dir
     prm_path: str | None = None  # score the rows of --data-path with this saved PRM instead of training
-    scores_output: str = "scores.jsonl"  # with --prm-path: each row with its "scores" added
+    scores_output: str = "scores.jsonl"  # with --prm-path: each row with its "scores" added (null past max_length)
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype; auto = bf16 on CUDA (weights stay fp32)
     device: str = "auto"  # auto = cuda when available, else cpu; under torchrun GPU LOCAL_RANK
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more compute
@@ -786,8 +786,8 @@ def train(args):
         raise UserError(f"every training row was truncated away by --max-length {args.max_length}")
     if dropped and rank == 0:  # wrong steps come last: truncation loses them first
         num_steps = sum(len(example["all_labels"]) for example in encoded)
-        message = f"drops {len(dropped):,} of {num_steps:,} steps, {sum(label < 0.5 for label in dropped):,} of them"
-        print0(f"warning: --max-length {args.max_length} {message} labelled wrong: raise --max-length", file=sys.stderr)
+        counts = f"drops {len(dropped):,} of {num_steps:,} steps, {sum(label < 0.5 for label in dropped):,} of them"
+        print0(f"warning: --max-length {args.max_length} {counts} labelled wrong: raise --max-length", file=sys.stderr)
     if args.fsdp:
         shard_prm(prm, device, dtype)
     else:

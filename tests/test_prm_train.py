@@ -446,10 +446,7 @@ BAD_INPUTS = {
     "model path missing": (lambda tmp, run: ["--model", str(tmp / "nowhere")], r"--model .*nowhere does not exist"),
     "output dir holds a run": (lambda tmp, run: ["--output-dir", str(run)], r"already holds a run"),
     "resume flags differ": (
-        lambda tmp, run: [
-            *["--resume-from", str(run / "checkpoint-3"), "--num-val-rows", "20", "--warmup-steps", "2"],
-            *["--batch-size", "16"],
-        ],
+        lambda tmp, run: ["--resume-from", str(run / "checkpoint-3"), *QUICK, "--batch-size", "16"],
         r"the checkpoint's run differs \(--batch-size 8 there, 16 here\)",
     ),
     "resume changes the learning rate": (
