@@ -18,7 +18,7 @@ Where it departs from the papers and from other trainers:
    mask keeps apart (Llama, Qwen, Mistral...); recurrent backbones need --no-pack-rows. The backbone must be causal.
 
 Run it:
-    python prm.py                     # tiny model, built-in stepwise task, CPU, under a minute; flags: --help
+    python prm.py                     # tiny model, built-in task, CPU: about 20-30 s on 2 cores; flags: --help
     python prm.py --model Qwen/Qwen2.5-0.5B --data-path steps.jsonl --eval-data-path steps_eval.jsonl \\
         --lora-r 16 --learning-rate 1e-4 --step-separator $'\\n\\n' --output-dir runs/qwen-prm
     python prm.py --prm-path runs/qwen-prm/final --data-path rows.jsonl --scores-output scores.jsonl  # scoring
@@ -68,7 +68,7 @@ class Args:
     track: bool = False  # log to Weights & Biases (WANDB_MODE=offline works; WANDB_ENTITY picks the team)
     wandb_project_name: str = "prm"  # the Weights & Biases project of the run, with --track
     # Model and data
-    model: str = "tiny"  # `tiny` (a small random-init Llama built here, no download), or a hub id or local path
+    model: str = "tiny"  # `tiny` (a 3-layer random-init Llama built here, no download), or a hub id or local path
     data_path: str | None = None  # JSONL rows {"prompt", "completions", "labels"}; None = the built-in task
     eval_data_path: str | None = None  # JSONL held-out rows; None = built-in ones (none with --data-path)
     num_eval_rows: int = 500  # at most this many held-out rows are evaluated
@@ -86,16 +86,19 @@ class Args:
     batch_size: int = 32  # rows per optimiser step, over all processes
     micro_batch_size: int = 0  # rows per forward/backward pass (gradient accumulation); 0 = the local batch
     learning_rate: float = 1e-3  # AdamW (1e-5 is typical for full fine-tuning of real models, 1e-4 for LoRA)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     max_grad_norm: float = 1.0  # gradients are clipped to this global L2 norm before each step
     warmup_steps: int = 20  # linear learning-rate warm-up
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up
     # Evaluation, saving, scoring, system
     eval_every: int = 100  # held-out metrics every this many steps (always at the start and the end)
     eval_batch_size: int = 64  # rows per forward pass in evaluation and scoring
-    save_every: int = 0  # checkpoint-STEP/ every this many steps (0: on SIGTERM/SIGINT only); the newest two kept
+    save_every: int = 0  # checkpoint-STEP/ every this many steps and at the end (0: only when stopped by a signal)
+    keep_checkpoints: int = 2  # the newest checkpoints kept (0 = all)
     resume_from: str | None = None  # a checkpoint-STEP/ directory, or `latest` (the newest in --output-dir)
+    overwrite: bool = False  # replace a run already in --output-dir
     prm_path: str | None = None  # score the rows of --data-path with this saved PRM instead of training
-    scores_output: str = "scores.jsonl"  # with --prm-path: each row with its "scores" added
+    scores_output: str = "scores.jsonl"  # with --prm-path: each row with its "scores" added (null past max_length)
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # compute dtype; auto = bf16 on CUDA (weights stay fp32)
     device: str = "auto"  # auto = cuda when available, else cpu; under torchrun GPU LOCAL_RANK
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more compute
@@ -289,8 +292,12 @@ def load_rows(path, need_labels=True):
     """The rows of a JSONL file, blank lines skipped; a bad row is a UserError naming its line."""
     if not os.path.isfile(path):
         raise UserError(f"data file {path} does not exist")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise UserError(f"cannot read data file {path}: {error}") from None
     rows = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -433,16 +440,21 @@ class ProcessRewardModel(torch.nn.Module):
 def build_prm(args, dtype, resume_path=None):
     """A PRM on the CPU (with a checkpoint's weights when resuming) computing in `dtype` under autocast, its weights
     fp32 but a hub model's frozen LoRA base (without FSDP); and with LoRA, a copy of the tiny base to save."""
+    local = os.path.exists(os.path.expanduser(args.model))
+    if not local and (args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):  # a path, not ORG/NAME
+        raise UserError(f"--model {args.model} does not exist")
     if args.model == "tiny":  # a 3-layer, 64-wide Llama, random init from the seed
         tokenizer = build_tiny_tokenizer()
         sizes = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4)
         backbone = LlamaModel(LlamaConfig(vocab_size=len(tokenizer), pad_token_id=0, **sizes))
-    elif not os.path.isdir(args.model) and args.model.startswith((".", "/", "~")):
-        raise UserError(f"--model {args.model} does not exist")
     else:
         weights_dtype = dtype if args.lora_r and not args.fsdp else torch.float32  # only a frozen base in `dtype`
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        backbone = AutoModel.from_pretrained(args.model, dtype=weights_dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+            backbone = AutoModel.from_pretrained(args.model, dtype=weights_dtype)
+        except (OSError, ValueError) as error:
+            reason = f"{str(error).strip().splitlines()[0]} (HF_HUB_OFFLINE=1 skips the hub's retries)"
+            raise UserError(f"could not load --model {args.model}: {reason}") from None
     # how prm_config.json names the base: a hub id, an absolute path, or "base" (saved beside the adapter)
     base_model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
     base_copy = None
@@ -502,6 +514,9 @@ def save_prm(path: str, prm, base_backbone=None, weights=None, args=None, traine
 
 def load_prm(path: str, device=None, dtype=None, trust_remote_code: bool = False) -> ProcessRewardModel:
     """A PRM saved by save_prm, in eval mode (device None: cuda when available; dtype None: its training dtype)."""
+    disable_progress_bar()  # (transformers' bars for loading weights would break into the caller's log)
+    if not os.path.exists(path):
+        raise UserError(f"{path} does not exist")
     if not os.path.isfile(os.path.join(path, "prm_config.json")):
         raise UserError(f"{path} is not a PRM saved by prm.py (no prm_config.json in it)")
     config = json.loads(Path(path, "prm_config.json").read_text())
@@ -571,21 +586,12 @@ def evaluate(prm, val_examples, eval_examples, batch_size):
 
 # ---- Training
 
-# what a resumed run must share with its checkpoint's: the model, the rows and their order, the loss, the batch
-RUN_DEFINING = (
-    "model",
-    "data_path",
-    "num_val_rows",
-    "step_separator",
-    "max_length",
-    "lora_r",
-    "lora_alpha",
-    "lora_target_modules",
-    "loss_kind",
-    "batch_size",
-    "seed",
-    "fsdp",
-)
+# the flags a resume may change; every other must be the checkpoint's (--eval-data-path decides --data-path's val rows)
+MAY_CHANGE_ON_RESUME = (
+    "total_steps eval_every eval_batch_size num_eval_rows save_every keep_checkpoints resume_from output_dir"
+    " overwrite track wandb_project_name micro_batch_size gradient_checkpointing pack_rows device dtype prm_path"
+    " scores_output"
+).split()
 CONSOLE_KEYS = {
     "loss": "loss",
     "accuracy": "acc",
@@ -599,10 +605,10 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4":
 
 def check_flags(args, world):
     """The flag values users get wrong, each a one-line UserError before anything is loaded."""
-    for name in ["batch_size", "total_steps", "max_length", "eval_batch_size", "learning_rate", "max_grad_norm"]:
+    for name in "batch_size total_steps max_length eval_batch_size learning_rate max_grad_norm".split():
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0")
-    for name in ["warmup_steps", "eval_every", "save_every", "num_eval_rows", "num_val_rows", "lora_r"]:
+    for name in "warmup_steps eval_every save_every keep_checkpoints num_eval_rows num_val_rows lora_r".split():
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0")
     if args.batch_size % world != 0:
@@ -659,33 +665,67 @@ def checkpoint_steps(output_dir):
     return sorted(int(name) for name in names if name.isdigit())
 
 
-def resolve_run(args, run_name):
-    """The output directory and the checkpoint to resume from (None: a new run), checked."""
+def prepare_output_dir(args, device):
+    """(output directory, checkpoint to resume from or None, the summary of a resumed run that is already finished).
+
+    A directory holds a run when it holds a checkpoint or a final PRM: what a crash leaves (logs) is no run.
+    """
+    stamp = torch.tensor([int(time.time())], device=device)
+    if dist.is_initialized():  # rank 0's clock: one run name everywhere
+        dist.broadcast(stamp, src=0)
+    output_dir = args.output_dir or os.path.join("runs", f"prm__{args.seed}__{int(stamp.item())}")
+    if not args.output_dir and args.resume_from not in (None, "latest"):  # the checkpoint's own run
+        output_dir = os.path.dirname(os.path.abspath(args.resume_from.rstrip("/")))
+    steps = checkpoint_steps(output_dir)
+    if args.resume_from is None:
+        if (steps or os.path.isdir(os.path.join(output_dir, "final"))) and not args.overwrite:
+            raise UserError(
+                f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it, "
+                "or pass another --output-dir"
+            )
+        return output_dir, None, None
     resume_path = args.resume_from
-    output_dir = args.output_dir or os.path.join("runs", run_name)
-    if not args.output_dir and resume_path not in (None, "latest"):  # the checkpoint's own run
-        output_dir = os.path.dirname(os.path.abspath(resume_path.rstrip("/")))
-    if resume_path == "latest":  # (checkpoint-0 where there is none, reported below)
-        resume_path = os.path.join(output_dir, f"checkpoint-{max(checkpoint_steps(output_dir), default=0)}")
-    if resume_path is None and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
-        raise UserError(f"{output_dir} already holds a run: add --resume-from latest, or pass another --output-dir")
-    if resume_path is None:
-        return output_dir, None
-    if not os.path.isfile(os.path.join(resume_path, "args.json")):
-        raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {resume_path}")
-    saved = json.loads(Path(resume_path, "args.json").read_text())
-    differ = [
-        f"--{key.replace('_', '-')} {saved[key]!r} there, {getattr(args, key)!r} here"
-        for key in RUN_DEFINING
-        if saved[key] != getattr(args, key)
-    ]
-    if differ:
-        raise UserError(f"--resume-from {resume_path}: the checkpoint's run differs ({'; '.join(differ)})")
-    return output_dir, resume_path
+    if resume_path == "latest" and steps:
+        resume_path = os.path.join(output_dir, f"checkpoint-{steps[-1]}")
+    if resume_path != "latest":
+        if not os.path.isfile(os.path.join(resume_path, "args.json")):
+            raise UserError(f"--resume-from {args.resume_from}: no checkpoint at {resume_path}")
+        saved = json.loads(Path(resume_path, "args.json").read_text())
+        differ = [
+            f"--{key.replace('_', '-')} {saved[key]!r} there, {value!r} here"
+            for key, value in asdict(args).items()
+            if key not in MAY_CHANGE_ON_RESUME and saved[key] != value
+        ]
+        if differ:
+            raise UserError(f"--resume-from {resume_path}: the checkpoint's run differs ({'; '.join(differ)})")
+    summary_path = Path(output_dir, "summary.json")
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        if summary["steps"] >= args.total_steps:
+            return output_dir, None, summary
+    if resume_path == "latest":
+        raise UserError(
+            f"--resume-from latest: {output_dir} holds no checkpoint (a run writes them with --save-every N, and when "
+            "stopped by a signal); --overwrite starts it anew"
+        )
+    return output_dir, resume_path, None
+
+
+def restore(path, output_dir, prm, optimizer):
+    """The optimiser and random state of a checkpoint, the logs cut back to its step; its trainer state."""
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    options = dcp.StateDictOptions(full_state_dict=True)
+    dcp.set_optimizer_state_dict(prm, optimizer, state["optimizer"], options=options)
+    torch.set_rng_state(state["rng"])
+    metrics_file = Path(output_dir, "metrics.jsonl")
+    if int(os.environ.get("RANK", "0")) == 0 and metrics_file.exists():  # rows logged after the checkpoint are redone
+        lines = metrics_file.read_text().splitlines(keepends=True)
+        metrics_file.write_text("".join(line for line in lines if json.loads(line)["step"] <= state["step"]))
+    return state
 
 
 def save_run(path, prm, base_copy, args, state, optimizer=None):
-    """final/, or with the optimiser a checkpoint (the newest two kept); every process calls it, rank 0 writes."""
+    """final/, or with the optimiser a checkpoint (--keep-checkpoints kept); every process calls it, rank 0 writes."""
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = dcp.get_model_state_dict(prm, options=options)
     trainer_state = None  # final/ holds no trainer state
@@ -695,7 +735,7 @@ def save_run(path, prm, base_copy, args, state, optimizer=None):
         return
     save_prm(path, prm, base_copy, weights, args, trainer_state, state["step"])
     output_dir = os.path.dirname(path)
-    for old in checkpoint_steps(output_dir)[:-2]:
+    for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints]:  # (--keep-checkpoints 0: [:0], none removed)
         shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
 
 
@@ -721,10 +761,14 @@ def train(args):
     if args.dtype == "auto":
         use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    stamp = torch.tensor([int(time.time())], device=device)
-    if distributed:  # one run name on every process
-        dist.broadcast(stamp, src=0)
-    output_dir, resume_path = resolve_run(args, f"prm__{args.seed}__{int(stamp.item())}")
+    output_dir, resume_path, finished = prepare_output_dir(args, device)
+    if finished is not None:
+        message = f"the run finished at step {finished['steps']}; a larger --total-steps extends it"
+        print0(f"{output_dir}: {message}", enabled=rank == 0)
+        if distributed:
+            dist.destroy_process_group()
+        return finished
+    print0(f"output directory: {output_dir}", enabled=rank == 0)
     seed_everything(args.seed)  # the same on every process: identical initial weights
 
     # ---- data (a bad line fails before any model loads), model, tokenisation, optimiser
@@ -734,12 +778,16 @@ def train(args):
     val_examples = encode_rows(prm.tokenizer, val_rows, args.step_separator, args.max_length)
     eval_examples = encode_rows(prm.tokenizer, eval_rows, args.step_separator, args.max_length)
     encoded = train_encoded + val_examples + eval_examples
-    dropped_steps = sum(len(example["all_labels"]) - len(example["positions"]) for example in encoded)
+    dropped = [label for example in encoded for label in example["all_labels"][len(example["positions"]) :]]
     dropped_rows = sum(not example["positions"] for example in encoded)
     # a training row with no step left is left out; a held-out one stays: its first error still counts, as a miss
     train_examples = [example for example in train_encoded if example["positions"]]
     if not train_examples:
         raise UserError(f"every training row was truncated away by --max-length {args.max_length}")
+    if dropped and rank == 0:  # wrong steps come last: truncation loses them first
+        num_steps = sum(len(example["all_labels"]) for example in encoded)
+        counts = f"drops {len(dropped):,} of {num_steps:,} steps, {sum(label < 0.5 for label in dropped):,} of them"
+        print0(f"warning: --max-length {args.max_length} {counts} labelled wrong: raise --max-length", file=sys.stderr)
     if args.fsdp:
         shard_prm(prm, device, dtype)
     else:
@@ -748,24 +796,21 @@ def train(args):
     if args.gradient_checkpointing:  # (the non-reentrant kind: LoRA's frozen inputs need no gradient)
         prm.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     trainable = [p for p in prm.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
-    start_step = 0
-    eval_start = {}  # the held-out metrics before training
-    if resume_path:
-        state = torch.load(os.path.join(resume_path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-        options = dcp.StateDictOptions(full_state_dict=True)
-        dcp.set_optimizer_state_dict(prm, optimizer, state["optimizer"], options=options)
-        torch.set_rng_state(state["rng"])
-        start_step = state["step"]
-        eval_start = state["eval_start"]
+    optimizer = torch.optim.AdamW(trainable, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=True)
 
     # ---- logging: nothing is written before this point
     if distributed:  # every process has checked --output-dir before rank 0 writes to it
         dist.barrier()
-    metrics_file = Path(output_dir, "metrics.jsonl")
-    if rank == 0 and resume_path and metrics_file.exists():  # rows logged after the checkpoint are redone
-        lines = metrics_file.read_text().splitlines(keepends=True)
-        metrics_file.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
+    start_step = 0
+    eval_start = {}  # the held-out metrics before training
+    if resume_path:
+        state = restore(resume_path, output_dir, prm, optimizer)
+        start_step = state["step"]
+        eval_start = state["eval_start"]
+    elif rank == 0:  # what an earlier run left: a crash's, or the run --overwrite replaces (metrics.jsonl: the logger)
+        for name in ["final", *[f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]]:
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        Path(output_dir, "summary.json").unlink(missing_ok=True)
     logger = RunLogger(
         output_dir,
         asdict(args),
@@ -850,7 +895,7 @@ def train(args):
                 metrics.update(evaluate(prm, val_examples, eval_examples, args.eval_batch_size))
             logger.log(step + 1, metrics)
             stop = num_signals > 0
-            if stop or (args.save_every > 0 and (step + 1) % args.save_every == 0):
+            if stop or (args.save_every > 0 and ((step + 1) % args.save_every == 0 or step + 1 == args.total_steps)):
                 state = {"step": step + 1, "rng": torch.get_rng_state(), "eval_start": eval_start}
                 save_run(os.path.join(output_dir, f"checkpoint-{step + 1}"), prm, base_copy, args, state, optimizer)
             if stop:
@@ -895,7 +940,7 @@ def train(args):
         **{f"{key}_end": value for key, value in eval_end.items()},
         "train_rows": len(train_examples),
         "eval_rows": len(eval_examples),
-        "dropped_steps": dropped_steps,
+        "dropped_steps": len(dropped),
         "dropped_rows": dropped_rows,
         "parameters": num_params,
         "trainable_parameters": num_trained,
@@ -926,8 +971,10 @@ def score_file(args):
     prompts = [row["prompt"] for row in rows]
     solutions = [row["completions"] for row in rows]
     scores = score_steps(prm, prompts, solutions, args.eval_batch_size)
-    lines = [json.dumps({**row, "scores": row_scores}) + "\n" for row, row_scores in zip(rows, scores)]
-    Path(args.scores_output).write_text("".join(lines))
+    lines = []
+    for row, row_scores in zip(rows, scores):  # a step past the PRM's max_length scores null
+        lines.append(json.dumps({**row, "scores": row_scores + [None] * (len(row["completions"]) - len(row_scores))}))
+    Path(args.scores_output).write_text("".join(line + "\n" for line in lines))
     num_scored = sum(len(row_scores) for row_scores in scores)
     print0(f"scored {num_scored} steps of {len(rows)} rows into {args.scores_output}")
     return {"rows": len(rows), "scored_steps": num_scored}
@@ -937,8 +984,12 @@ def main():
     try:
         args = tyro.cli(Args)
         summary = score_file(args) if args.prm_path else train(args)
+    except KeyboardInterrupt:  # while starting (then a signal ends the step and saves): nothing to save yet
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process meets the error: one message
+            print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     if summary.get("interrupted"):  # checkpointed, not finished: exit as a shell reports the signal
         sys.exit(128 + summary["signal"])

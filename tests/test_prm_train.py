@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import prm
-from conftest import run_in_process
+from conftest import made_dir, run_in_process, run_script_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--batch-size", "8", "--num-eval-rows", "40", "--num-val-rows", "20", "--warmup-steps", "2"]
@@ -158,6 +158,7 @@ def test_resume_from_latest_continues_exactly(trained, tmp_path):
     shutil.copytree(trained, copy)
     shutil.rmtree(copy / "checkpoint-6")  # latest is now checkpoint-3
     shutil.rmtree(copy / "final")
+    (copy / "summary.json").unlink()  # (a summary of step 6 would say the run had finished)
     run_prm(
         "--output-dir",
         copy,
@@ -176,6 +177,90 @@ def test_resume_from_latest_continues_exactly(trained, tmp_path):
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
     summary = json.loads((copy / "summary.json").read_text())
     assert summary["eval_auroc_start"] == json.loads((trained / "summary.json").read_text())["eval_auroc_start"]
+
+
+RESUME_FLAGS = ["--total-steps", "6", "--eval-every", "3", "--save-every", "3", *QUICK, "--resume-from", "latest"]
+NO_EVAL = ["--batch-size", "8", "--num-eval-rows", "0"]
+
+
+def test_a_larger_total_steps_extends_a_finished_run_from_its_last_checkpoint(trained, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    run_prm("--output-dir", copy, *RESUME_FLAGS, "--total-steps", "8")
+    rows = read_jsonl(copy / "metrics.jsonl")
+    assert rows[:8] == read_jsonl(trained / "metrics.jsonl") and [row["step"] for row in rows[8:]] == [7, 8, 8]
+    assert json.loads((copy / "summary.json").read_text())["steps"] == 8
+    assert json.loads((copy / "final" / "prm_config.json").read_text())["step"] == 8
+    assert sorted(p.name for p in copy.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]  # the last step saves
+
+
+def test_resuming_a_finished_run_says_so_and_writes_nothing(trained, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    before = {name: (copy / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
+    process = run_prm("--output-dir", copy, *RESUME_FLAGS)
+    assert f"{copy}: the run finished at step 6; a larger --total-steps extends it" in process.stdout
+    assert {name: (copy / name).read_bytes() for name in before} == before
+
+
+def test_what_a_crash_leaves_is_no_run(tmp_path):
+    out = made_dir(tmp_path / "run", "metrics.jsonl")  # a run that died while starting
+    process = run_prm("--output-dir", out, "--total-steps", "1", *NO_EVAL)
+    assert f"output directory: {out}\n" in process.stdout
+    assert [row["step"] for row in read_jsonl(Path(out, "metrics.jsonl"))] == [1]
+
+
+def test_overwrite_replaces_a_run(trained, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    run_prm("--output-dir", copy, "--total-steps", "2", *NO_EVAL, "--overwrite")
+    assert [row["step"] for row in read_jsonl(copy / "metrics.jsonl")] == [1, 2]
+    assert json.loads((copy / "summary.json").read_text())["steps"] == 2 and not list(copy.glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("keep, kept", [(1, [3]), (0, [1, 2, 3])])
+def test_keep_checkpoints_keeps_the_newest(keep, kept, tmp_path):
+    out = tmp_path / "run"
+    run_prm("--output-dir", out, "--total-steps", "3", *NO_EVAL, "--save-every", "1", "--keep-checkpoints", keep)
+    assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == kept
+
+
+def test_a_max_length_that_drops_steps_says_how_many_and_how_many_were_wrong(tmp_path):
+    # bos + "start 3\n" is 9 tokens, each step and its newline 6: --max-length 21 keeps two steps of three
+    wrong_last = {"prompt": "start 3\n", "completions": ["3+1=4", "4-1=3", "1+1=2"], "labels": [1, 1, 0]}
+    right_last = {**wrong_last, "completions": ["3+1=4", "4-1=3", "3-2=1"], "labels": [1, 1, 1]}
+    rows = write_rows(tmp_path / "rows.jsonl", [wrong_last] * 4 + [right_last] * 2)
+    out = tmp_path / "run"
+    process = run_prm("--data-path", rows, "--output-dir", out, "--max-length", "21", "--total-steps", "1", *NO_EVAL)
+    warning = "warning: --max-length 21 drops 6 of 18 steps, 4 of them labelled wrong: raise --max-length\n"
+    assert warning in process.stderr
+    assert json.loads((out / "summary.json").read_text())["dropped_steps"] == 6
+
+
+def test_a_step_past_the_prms_max_length_scores_null(trained, tmp_path):
+    short = tmp_path / "short"
+    shutil.copytree(trained / "final", short)
+    config = json.loads((short / "prm_config.json").read_text())
+    (short / "prm_config.json").write_text(json.dumps({**config, "max_length": 21}))  # two steps of three fit
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "start 3\n", "completions": ["3+1=4", "4-1=3", "3-2=1"]}])
+    out = tmp_path / "scores.jsonl"
+    run_prm("--prm-path", short, "--data-path", rows, "--scores-output", out)
+    (written,) = read_jsonl(out)
+    assert written["scores"][2] is None and all(isinstance(score, float) for score in written["scores"][:2])
+
+
+def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(monkeypatch, capsys, tmp_path):
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prm, "load_splits", interrupt)
+    code, stderr = run_script_main(prm.main, "prm.py", ["--output-dir", str(tmp_path / "run")], capsys)
+    assert code == 130 and stderr == "interrupted\n"
+
+
+def test_under_torchrun_only_rank_0_prints_the_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert run_script_main(prm.main, "prm.py", ["--batch-size", "0"], capsys) == (2, "")
 
 
 def test_sigterm_saves_a_checkpoint_first_and_the_run_resumes_from_it(tmp_path):
@@ -324,6 +409,12 @@ def bad_rows(tmp_path: Path, *lines: str) -> list[str]:
     return ["--data-path", str(write_rows(tmp_path / "rows.jsonl", list(lines)))]
 
 
+def latin1_rows(tmp_path: Path) -> Path:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "café", "completions": ["b"], "labels": [1]}\n'.encode("latin-1"))
+    return path
+
+
 GOOD = '{"prompt": "start 3\\n", "completions": ["3+1=4"], "labels": [true]}'
 BAD_INPUTS = {
     "data file missing": (
@@ -355,12 +446,16 @@ BAD_INPUTS = {
     "model path missing": (lambda tmp, run: ["--model", str(tmp / "nowhere")], r"--model .*nowhere does not exist"),
     "output dir holds a run": (lambda tmp, run: ["--output-dir", str(run)], r"already holds a run"),
     "resume flags differ": (
-        lambda tmp, run: ["--resume-from", str(run / "checkpoint-3"), "--num-val-rows", "20", "--batch-size", "16"],
+        lambda tmp, run: ["--resume-from", str(run / "checkpoint-3"), *QUICK, "--batch-size", "16"],
         r"the checkpoint's run differs \(--batch-size 8 there, 16 here\)",
+    ),
+    "resume changes the learning rate": (
+        lambda tmp, run: ["--resume-from", str(run / "checkpoint-3"), *QUICK, "--learning-rate", "0.002"],
+        r"the checkpoint's run differs \(--learning-rate 0.001 there, 0.002 here\)",
     ),
     "resume without checkpoint": (
         lambda tmp, run: ["--output-dir", str(tmp), "--resume-from", "latest"],
-        r"no checkpoint",
+        r"holds no checkpoint \(a run writes them with --save-every N",
     ),
     "batch size 0": (lambda tmp, run: ["--batch-size", "0"], r"--batch-size.* must be > 0"),
     "micro-batch above the batch": (
@@ -371,6 +466,14 @@ BAD_INPUTS = {
     "fsdp without torchrun": (lambda tmp, run: ["--fsdp"], r"--fsdp .*needs a launch by torchrun"),
     "scoring without rows": (lambda tmp, run: ["--prm-path", str(run / "final")], r"--prm-path scores the rows"),
     "not a prm": (lambda tmp, run: ["--prm-path", str(tmp), *bad_rows(tmp, GOOD)], r"is not a PRM saved by prm.py"),
+    "prm path missing": (
+        lambda tmp, run: ["--prm-path", str(tmp / "nowhere"), *bad_rows(tmp, GOOD)],
+        r"nowhere does not exist",
+    ),
+    "data file not UTF-8": (
+        lambda tmp, run: ["--data-path", str(latin1_rows(tmp))],
+        r"cannot read data file .*latin1.jsonl: 'utf-8' codec can't decode",
+    ),
 }
 
 
