@@ -1286,12 +1286,6 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
                 f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it, "
                 "or pass another --output-dir"
             )
-        leftovers = ["final", "summary.json", "metrics.jsonl", "completions.jsonl"]
-        for path in [os.path.join(output_dir, name) for name in leftovers + [f"checkpoint-{s}" for s in steps]]:
-            if int(os.environ.get("RANK", 0)) == 0 and os.path.isdir(path):
-                shutil.rmtree(path)
-            if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(path):
-                os.remove(path)
         return output_dir, None, None
     resume = args.resume_from
     if resume == "latest" and steps:
@@ -1312,6 +1306,8 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
         with open(summary_path) as f:
             summary = json.load(f)
         if summary["steps"] >= args.total_steps:
+            message = f"{output_dir}: the run finished at step {summary['steps']}; a larger --total-steps extends it"
+            print0(message, enabled=int(os.environ.get("RANK", 0)) == 0)
             return output_dir, None, summary
     if resume == "latest":
         raise UserError(
@@ -1319,6 +1315,17 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
             "stopped by a signal); --overwrite starts it anew"
         )
     return output_dir, resume, None
+
+
+def remove_earlier_run(output_dir: str) -> None:
+    """What an earlier run, or a crash, left in output_dir: its final model, checkpoints and logs."""
+    names = ["final", "summary.json", "metrics.jsonl", "completions.jsonl"]
+    names += [f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]
+    for path in [os.path.join(output_dir, name) for name in names]:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        if os.path.isfile(path):
+            os.remove(path)
 
 
 def restore(path: str, output_dir: str, model, optimizer, args: Args) -> dict:
@@ -1386,7 +1393,6 @@ def train(args: Args) -> dict:
     bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
     output_dir, resume_path, finished = prepare_output_dir(args, device)
     if finished is not None:
-        print0(f"{output_dir}: the run finished at step {finished['steps']}; a larger --total-steps extends it")
         if distributed:
             dist.destroy_process_group()
         return finished
@@ -1417,6 +1423,9 @@ def train(args: Args) -> dict:
     eval_start = state["eval_start"]
     skipped_updates = state["skipped"]
 
+    if resume_path is None and is_main:  # every check passed: what was there before may go
+        remove_earlier_run(output_dir)
+
     # ---- Logging; the batch's layout: a process holds whole groups, its minibatches are runs of them
     logger = RunLogger(
         output_dir,
@@ -1429,11 +1438,8 @@ def train(args: Args) -> dict:
     )
     num_params = sum(p.numel() for p in model.parameters())
     num_trained = sum(p.numel() for p in trainable)
-    print0(
-        f"model {args.model}: {num_params:,} parameters ({num_trained:,} trained), bf16 {bf16}, {world_size} "
-        f"process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out",
-        enabled=is_main,
-    )
+    message = f"model {args.model}: {num_params:,} parameters ({num_trained:,} trained), bf16 {bf16}, {world_size}"
+    print0(f"{message} process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out", enabled=is_main)
     local_rows = args.prompts_per_step // world_size * args.group_size  # B: this process's completions per step
     minibatch_rows = local_rows // args.num_minibatches
     minibatches = [range(j * minibatch_rows, (j + 1) * minibatch_rows) for j in range(args.num_minibatches)]
@@ -1649,8 +1655,8 @@ def train(args: Args) -> dict:
                 save_run(
                     os.path.join(output_dir, f"checkpoint-{step + 1}"), model, policy.tokenizer, args, optimizer, state
                 )
-                for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints or None]:  # keep 0: keep all
-                    if is_main:
+                if is_main and args.keep_checkpoints:  # 0 keeps them all
+                    for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints]:
                         shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
             if stopped:
                 message = f"stopped by a signal: checkpoint-{step + 1} saved; continue with the same command and"

@@ -482,6 +482,15 @@ def test_a_resume_may_change_only_the_runs_length_and_logging(tmp_path, saved_ru
     assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
 
 
+def test_overwrite_removes_the_old_run_only_once_every_check_passed(tmp_path, base_run):
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    run(out, "--overwrite", "--data-path", str(tmp_path / "no-such.jsonl"), rc=2)  # a typo: the old run stays
+    assert (out / "final").is_dir() and (out / "summary.json").is_file()
+    run(out, "--overwrite", "--total-steps", "1")
+    assert len(steps(out)) == 1
+
+
 def test_what_a_crash_leaves_does_not_block_a_new_run(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -497,7 +506,8 @@ def test_learning_rate_schedule_weight_decay_and_kept_checkpoints(tmp_path, base
     lr = grpo.Args.learning_rate
     assert [row["learning_rate"] for row in steps(tmp_path / "run")] == pytest.approx([lr / 2, lr, lr, lr / 2])
     assert sorted(path.name for path in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
-    run(tmp_path / "no_decay", *flags)
+    run(tmp_path / "no_decay", *flags, "--keep-checkpoints", "0")
+    assert len(list((tmp_path / "no_decay").glob("checkpoint-*"))) == 4
     decayed, kept = weights(tmp_path / "run" / "final"), weights(tmp_path / "no_decay" / "final")
     assert sum(w.norm() ** 2 for w in decayed.values()) < sum(w.norm() ** 2 for w in kept.values())
 
