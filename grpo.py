@@ -68,7 +68,7 @@ class Args:
     total_steps: int = 400  # training steps, one rollout batch each
     prompts_per_step: int = 8  # prompts per step, over all processes
     group_size: int = 16  # completions sampled per prompt (the group its rewards are standardised in)
-    max_new_tokens: int = 2  # maximum completion length in tokens
+    max_new_tokens: int = 2  # maximum completion length in tokens (the built-in task's answers need 2; GSM8K ~300)
     temperature: float = 1.0  # sampling temperature (the training log-probs use the same)
     top_p: float = 1.0  # nucleus sampling threshold; 1.0 = off
     top_k: int = 0  # sample among the k most likely tokens; 0 = off
@@ -932,11 +932,11 @@ def micro_batches(batch: Rollout, rows: range, size: int, group_size: int, share
 
 
 @torch.no_grad()
-def fixed_logprobs(policy, batch: Rollout, plans: list[MicroBatch], temperature: float, vocab_size: int):
+def fixed_logprobs(model, batch: Rollout, plans: list[MicroBatch], temperature: float, vocab_size: int):
     """Log-probs [B, T] of the completion tokens of the planned micro-batches, without gradients; 0 in other rows."""
     logp = torch.zeros_like(batch.sampler_logp)
     for micro in plans:
-        micro_logp, _ = completion_logprobs(policy, *micro.inputs, temperature, False, micro.prompt_of_row, vocab_size)
+        micro_logp, _ = completion_logprobs(model, *micro.inputs, temperature, False, micro.prompt_of_row, vocab_size)
         logp[micro.rows, micro.completion_cols] = micro_logp
     return logp
 
@@ -1016,25 +1016,27 @@ def sample_step(policy: Policy, rows, prompts, reward_fns, data_position: int, a
     if args.dynamic_sampling:
         max_rounds = args.max_sampling_rounds
     rounds = []
-    signals = []  # [groups] of each round: the group's rewards differ
     kept = []  # (round, group) of the groups to train on
+    dropped = 0
     while True:
         first = data_position + len(rounds) * args.prompts_per_step
         positions = [first + i for i in range(rank, args.prompts_per_step, world_size)]
         rounds.append(sample_round(policy, rows, prompts, positions, reward_fns, args, timings))
         grouped = rounds[-1].reward.view(-1, args.group_size)
-        signals.append(grouped.amax(1) > grouped.amin(1))
+        has_signal = grouped.amax(1) > grouped.amin(1)  # [groups]
         for group in range(num_groups):
-            if len(kept) < num_groups and (signals[-1][group] or not args.dynamic_sampling):
+            if args.dynamic_sampling and not has_signal[group]:
+                dropped += 1
+            elif len(kept) < num_groups:
                 kept.append((len(rounds) - 1, group))
-        if len(rounds) == max_rounds or all_sum({"missing": num_groups - len(kept)}, policy.device)["missing"] == 0:
+        if len(rounds) >= max_rounds or all_sum({"missing": num_groups - len(kept)}, policy.device)["missing"] == 0:
             break
     for group in range(num_groups):  # out of rounds: the last round's groups without signal fill the step
-        if len(kept) < num_groups and not signals[-1][group]:
+        if len(kept) < num_groups and not has_signal[group]:
             kept.append((len(rounds) - 1, group))
-    without_signal = sum(int((~signal_of_round).sum()) for signal_of_round in signals)
-    counts = {"sampling_rounds": len(rounds), "prompts_consumed": len(rounds) * args.prompts_per_step}
-    counts["groups_dropped"] = without_signal - sum(int(not signals[number][group]) for number, group in kept)
+            dropped -= 1
+    counts = {"sampling_rounds": len(rounds), "groups_dropped": dropped}
+    counts["prompts_consumed"] = len(rounds) * args.prompts_per_step
     return take_groups(rounds, kept, args.group_size, policy.tokenizer.pad_token_id), counts
 
 
@@ -1156,8 +1158,8 @@ def clock(cuda: bool) -> float:
 
 
 def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: Args, is_main: bool) -> None:
-    """Warn once about each problem that keeps a run from learning, when STUCK_STEPS steps in a row show it. streaks:
-    {problem: the steps in a row that showed it, None once warned about}."""
+    """Warn once about each problem that keeps a run from learning, when STUCK_STEPS steps in a row show it.
+    streaks: {problem: the steps in a row that showed it}; "warned": the problems warned about already."""
     problems = {
         f"most completions were cut at --max-new-tokens {args.max_new_tokens}, none with a right answer: raise it": (
             metrics["truncated_frac"] > 0.5 and truncated_correct == 0
@@ -1166,15 +1168,15 @@ def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: 
             metrics["frac_zero_std_groups"] == 1.0
         ),
     }
+    warned = streaks.setdefault("warned", set())
     for message, happening in problems.items():
-        if message in streaks and streaks[message] is None:  # warned about already
-            continue
-        streaks[message] = streaks.get(message, 0) + 1
-        if not happening:
+        if happening:
+            streaks[message] = streaks.get(message, 0) + 1
+        else:
             streaks[message] = 0
-        if streaks[message] == STUCK_STEPS:
+        if streaks[message] == STUCK_STEPS and message not in warned:
             print0(f"warning: {STUCK_STEPS} steps in a row: {message}", file=sys.stderr, enabled=is_main)
-            streaks[message] = None
+            warned.add(message)
 
 
 def completion_rows(sampled: Round, advantages: torch.Tensor, group_size: int) -> list[dict]:
@@ -1306,8 +1308,10 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
         with open(summary_path) as f:
             summary = json.load(f)
         if summary["steps"] >= args.total_steps:
-            message = f"{output_dir}: the run finished at step {summary['steps']}; a larger --total-steps extends it"
-            print0(message, enabled=int(os.environ.get("RANK", 0)) == 0)
+            message = (
+                f"{output_dir}: the run finished at step {summary['steps']} (with a checkpoint, a larger --total-steps"
+            )
+            print0(f"{message} extends it)", enabled=int(os.environ.get("RANK", 0)) == 0)
             return output_dir, None, summary
     if resume == "latest":
         raise UserError(
@@ -1332,7 +1336,7 @@ def restore(path: str, output_dir: str, model, optimizer, args: Args) -> dict:
     """The optimiser state of a checkpoint, the logs cut back to its step; its trainer state."""
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
     options = dcp.StateDictOptions(full_state_dict=args.fsdp)  # FSDP: each shard takes its part
-    dcp.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    dcp.set_optimizer_state_dict(model, optimizer, state.pop("optimizer"), options=options)  # (not kept twice)
     torch.set_rng_state(state["rng"])
     for name in ("metrics.jsonl", "completions.jsonl"):  # rows after the checkpoint's step: of steps to be redone
         path = os.path.join(output_dir, name)
@@ -1346,7 +1350,8 @@ def restore(path: str, output_dir: str, model, optimizer, args: Args) -> dict:
 
 def check_args(args: Args, world_size: int) -> None:
     """The flag values users get wrong, before anything is loaded."""
-    for name in ("prompts_per_step", "max_new_tokens", "num_iterations", "num_minibatches", "eval_batch_size"):
+    counts = ["prompts_per_step", "max_new_tokens", "num_iterations", "num_minibatches", "eval_batch_size"]
+    for name in counts + ["max_sampling_rounds", "eval_num_samples"]:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     local_rows = args.prompts_per_step // world_size * args.group_size // args.num_minibatches
@@ -1370,6 +1375,10 @@ def check_args(args: Args, world_size: int) -> None:
             "minibatch",
         ),
         (args.fsdp and "WORLD_SIZE" not in os.environ, "--fsdp needs a launch by torchrun"),
+        (args.keep_checkpoints < 0 or args.kl_coef < 0, "--keep-checkpoints and --kl-coef must be at least 0"),
+        (args.rollout_correction_cap <= 1, "--rollout-correction-cap must be above 1"),
+        (not 0 <= args.overlong_buffer <= args.max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens]"),
+        (args.delta is not None and args.delta <= 1 + args.clip_eps_high, "--delta must be above 1 + --clip-eps-high"),
     ]
     for wrong, message in checks:
         if wrong:
@@ -1446,7 +1455,7 @@ def train(args: Args) -> dict:
     micro_batch_size = args.micro_batch_size or minibatch_rows
     share_prompts = not (args.gradient_checkpointing or args.fsdp)  # both need one forward pass per micro-batch
     importance_sampling = "sequence" if args.policy_loss == "gspo" else "token"  # GSPO: PPO, a ratio per completion
-    policy_loss = "cispo" if args.policy_loss == "cispo" else "ppo"
+    surrogate = "cispo" if args.policy_loss == "cispo" else "ppo"
     completions_every = args.log_completions_every
     if completions_every is None:
         completions_every = args.eval_every
@@ -1479,8 +1488,10 @@ def train(args: Args) -> dict:
             step_start = clock(cuda)
             # 1. rollout and 2. rewards (see sample_step)
             timings = {"generation": 0.0, "reward": 0.0}
-            sampled, sampling = sample_step(policy, train_rows, train_prompts, reward_fns, data_position, args, timings)
-            data_position += sampling["prompts_consumed"]
+            sampled, sampling_counts = sample_step(
+                policy, train_rows, train_prompts, reward_fns, data_position, args, timings
+            )
+            data_position += sampling_counts["prompts_consumed"]
             batch = sampled.batch
             rewarded_at = clock(cuda)
 
@@ -1516,8 +1527,8 @@ def train(args: Args) -> dict:
 
             # 5. update: num_iterations passes over the batch, each num_minibatches optimiser steps (PPO's epochs and
             # minibatches); a minibatch's micro-batches accumulate their gradients
-            for group in optimizer.param_groups:
-                group["lr"] = get_lr(step, args)
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = get_lr(step, args)
             minibatch_tokens = all_sum(
                 {j: loss_mask[mb.start : mb.stop].sum() for j, mb in enumerate(minibatches)}, device
             )
@@ -1544,7 +1555,7 @@ def train(args: Args) -> dict:
                         weights = None
                         if args.rollout_correction != "none":
                             correction = (args.rollout_correction, args.rollout_correction_cap)
-                            weights, _ = rollout_correction(
+                            weights, touched = rollout_correction(
                                 old_logp[part, cols], batch.sampler_logp[part, cols], mask, *correction
                             )
                         loss, stats = grpo_loss(
@@ -1564,13 +1575,15 @@ def train(args: Args) -> dict:
                             kl_ratio_weighted=args.kl_ratio_weighted,
                             total_sequences=minibatch_rows * world_size,
                             total_tokens=minibatch_tokens[j],
-                            policy_loss=policy_loss,
+                            policy_loss=surrogate,
                             rollout_weights=weights,
                         )
                         loss.backward()
                         if last_pass:
                             stats["loss"] = loss.detach()
                             stats["entropy"] = (entropy * mask).sum() / stats["tokens"].clamp(min=1.0)
+                            if weights is not None:  # the share of tokens the correction changes
+                                stats["rollout_correction_frac"] = touched.sum() / stats["tokens"].clamp(min=1.0)
                             logged.append(stats)
                     if distributed and not args.fsdp:  # each process's loss is its share: the gradients are summed
                         for p in trainable:
@@ -1602,32 +1615,23 @@ def train(args: Args) -> dict:
             metrics.update(update_stats(logged, args.num_minibatches, device))
             metrics["grad_norm"] = np.mean(grad_norms[-args.num_minibatches :])
             metrics["learning_rate"] = get_lr(step, args)
-            corrected = torch.zeros(())
-            if args.rollout_correction != "none":
-                correction = (args.rollout_correction, args.rollout_correction_cap)
-                corrected = rollout_correction(old_logp, batch.sampler_logp, batch.completion_mask, *correction)[
-                    1
-                ].sum()
             counts = {
                 "generated": batch.completion_mask.sum(),
                 "truncated": truncated.sum(),
                 "truncated_correct": (truncated.cpu() & (sampled.rewards["answer"] > 0)).sum(),
                 "prompt_tokens": batch.prompt_mask.sum(),
                 "gap": ((old_logp - batch.sampler_logp).abs() * batch.completion_mask).sum(),  # same weights, tokens
-                "corrected": corrected,
-                "groups_dropped": sampling["groups_dropped"],
+                "groups_dropped": sampling_counts["groups_dropped"],
                 "stop": len(stop_signals),
             }
             counts = all_sum(counts, device)
             metrics["completion_length"] = counts["generated"] / scores.shape[1]
             metrics["truncated_frac"] = counts["truncated"] / scores.shape[1]
             metrics["logp_gap_mean"] = counts["gap"] / counts["generated"]  # the sampler's against the trainer's
-            if args.rollout_correction != "none":
-                metrics["rollout_correction_frac"] = counts["corrected"] / counts["generated"]
             if args.dynamic_sampling:
-                metrics["sampling_rounds"] = sampling["sampling_rounds"]
+                metrics["sampling_rounds"] = sampling_counts["sampling_rounds"]
                 metrics["groups_dropped"] = counts["groups_dropped"]
-                metrics["prompts_consumed"] = sampling["prompts_consumed"]
+                metrics["prompts_consumed"] = sampling_counts["prompts_consumed"]
             metrics["generated_tokens"] = counts["generated"]
             metrics["trained_tokens"] = sum(minibatch_tokens.values()) * args.num_iterations
             metrics["generation_time_s"] = timings["generation"]

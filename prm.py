@@ -133,7 +133,8 @@ def prm_loss(step_logits, labels, mask, kind: str = "bce", *, num_labelled=None)
     else:
         raise ValueError(f"kind must be bce or mse, got {kind!r}")
     num_steps = mask.sum()
-    loss = per_step.masked_fill(~mask, 0.0).sum() / max(num_labelled or num_steps, 1)
+    denominator = num_steps if num_labelled is None else num_labelled  # the whole batch's count, for a part of it
+    loss = per_step.masked_fill(~mask, 0.0).sum() / max(denominator, 1)
     agree = ((scores >= 0.5) == (labels >= 0.5)) & mask
     return loss, {"accuracy": agree.sum().detach() / num_steps.clamp(min=1), "steps": num_steps}
 
@@ -735,8 +736,9 @@ def save_run(path, prm, base_copy, args, state, optimizer=None):
         return
     save_prm(path, prm, base_copy, weights, args, trainer_state, state["step"])
     output_dir = os.path.dirname(path)
-    for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints]:  # (--keep-checkpoints 0: [:0], none removed)
-        shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
+    if args.keep_checkpoints:  # 0 keeps them all
+        for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints]:
+            shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
 
 
 def train(args):
@@ -763,7 +765,7 @@ def train(args):
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     output_dir, resume_path, finished = prepare_output_dir(args, device)
     if finished is not None:
-        message = f"the run finished at step {finished['steps']}; a larger --total-steps extends it"
+        message = f"the run finished at step {finished['steps']} (with a checkpoint, a larger --total-steps extends it)"
         print0(f"{output_dir}: {message}", enabled=rank == 0)
         if distributed:
             dist.destroy_process_group()
@@ -845,13 +847,13 @@ def train(args):
                 epoch, index = divmod(position, len(train_examples))
                 batch.append(train_examples[epoch_order(args.seed, epoch, len(train_examples))[index]])
             num_labelled = sum(len(example["positions"]) for example in batch)  # the loss's divisor, all processes
-            local = batch[rank::world]
+            rows_here = batch[rank::world]  # this process's share
 
             # 2. forward and backward per micro-batch, gradients accumulating
             loss_sum = torch.zeros((), device=device)
             correct_sum = torch.zeros((), device=device)
-            for start in range(0, len(local), micro):
-                inputs = collate(local[start : start + micro], pad_id, device, args.pack_rows)
+            for start in range(0, len(rows_here), micro):
+                inputs = collate(rows_here[start : start + micro], pad_id, device, args.pack_rows)
                 with torch.autocast(device.type, dtype=dtype, enabled=use_bf16):
                     step_logits = prm(inputs["input_ids"], inputs["position_ids"], inputs["positions"])  # [R, S]
                 labels = inputs["labels"]  # [R, S], -1 where there is no step
@@ -876,8 +878,7 @@ def train(args):
             step_times.append(time.perf_counter() - step_start)
             step_tokens.append(sum(len(example["input_ids"]) for example in batch))
 
-            # 4. log, evaluate, save
-            # the loss, correct steps and signals summed over processes: every process stops after the same step
+            # 4. log, evaluate, save; loss, correct steps and signals summed over processes (all stop after one step)
             totals = torch.stack([loss_sum, correct_sum, torch.tensor(float(len(stop_signals)), device=device)])
             if distributed:
                 dist.all_reduce(totals)

@@ -199,7 +199,7 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(trained, tmp_path):
     shutil.copytree(trained, copy)
     before = {name: (copy / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
     process = run_prm("--output-dir", copy, *RESUME_FLAGS)
-    assert f"{copy}: the run finished at step 6; a larger --total-steps extends it" in process.stdout
+    assert f"{copy}: the run finished at step 6 (with a checkpoint, a larger --total-steps" in process.stdout
     assert {name: (copy / name).read_bytes() for name in before} == before
 
 
