@@ -204,7 +204,7 @@ def ours_cmd(cfg: dict, a, data: dict, out_dir: Path) -> list[str]:
     if cfg["kind"] == "grpo":
         return [
             a.ours_python,
-            os.path.join(a.main_dir, "grpo.py"),
+            os.path.join(a.main_dir, "benchmarks", "grpo_same_reward.py"),  # the harness's reward, not Math-Verify
             "--model",
             cfg["model"],
             "--data-path",
