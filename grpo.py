@@ -15,7 +15,7 @@ Where this file departs from the paper:
    resumed or multi-process run draws the same random numbers as one uninterrupted process.
 
 Run it:
-    python grpo.py                                    # tiny model, built-in task, CPU, about 15 seconds
+    python grpo.py                                    # tiny model, built-in task, CPU, about 20 seconds
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl --lora-r 16 --kl-coef 0.05 \\
         --max-new-tokens 256 --learning-rate 1e-5 --output-dir runs/qwen-gsm8k --save-every 50
     python grpo.py ... --output-dir runs/qwen-gsm8k --resume-from latest    # after a stop or a crash

@@ -18,7 +18,7 @@ Where it departs from the papers and from other trainers:
    mask keeps apart (Llama, Qwen, Mistral...); recurrent backbones need --no-pack-rows. The backbone must be causal.
 
 Run it:
-    python prm.py                     # tiny model, built-in task, CPU: about 20-30 s on 2 cores; flags: --help
+    python prm.py                     # tiny model, built-in task, CPU: about 30 s on 2 cores; flags: --help
     python prm.py --model Qwen/Qwen2.5-0.5B --data-path steps.jsonl --eval-data-path steps_eval.jsonl \\
         --lora-r 16 --learning-rate 1e-4 --step-separator $'\\n\\n' --output-dir runs/qwen-prm
     python prm.py --prm-path runs/qwen-prm/final --data-path rows.jsonl --scores-output scores.jsonl  # scoring
