@@ -3,16 +3,10 @@
 GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300) samples `group_size` completions per prompt, scores them with
 verifiable rewards, and gives each completion's tokens its reward, standardised within the group, as their advantage.
 The loss is PPO's clipped surrogate plus a KL penalty to a frozen reference policy; there is no value model.
-
-Where this file departs from the paper:
-1. Clipping `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` for both signs of A, with DAPO's separate epsilons
-   (https://arxiv.org/abs/2503.14476) and INTELLECT-2's optional bound `delta` on r (https://arxiv.org/abs/2505.07291);
-   `--policy-loss` gspo or cispo for GSPO's ratio per completion or MiniMax-M1's clipped weight.
-2. `--loss-type` picks the aggregation; every normaliser counts the whole (mini)batch, over micro-batches and
-   processes, so the update does not depend on how the batch is split.
-3. `--scale-rewards batch` (the default) divides advantages by the batch's reward std instead of each group's.
-4. Each prompt's completions draw from a random stream keyed by (seed, the prompt's position in the data stream): a
-   resumed or multi-process run draws the same random numbers as one uninterrupted process.
+Departures from the paper: DAPO's separate clip epsilons (https://arxiv.org/abs/2503.14476); `--loss-type` picks the
+aggregation, each normaliser counting the whole batch however it is split; advantages divided by the batch's reward std
+(`--scale-rewards batch`); each prompt's completions drawn from a random stream keyed by (seed, the prompt's position in
+the data stream), so that a resumed or multi-process run draws what one uninterrupted process does.
 
 Run it:
     python grpo.py                                    # tiny model, built-in task, CPU, about 20 seconds
@@ -590,9 +584,8 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
         except (OSError, ValueError) as error:
             reason = str(error).strip().splitlines()[0]
-            raise UserError(
-                f"could not load --model {name}: {reason} (HF_HUB_OFFLINE=1 skips the hub's retries)"
-            ) from None
+            hint = "HF_HUB_OFFLINE=1 skips the hub's retries"
+            raise UserError(f"could not load --model {name}: {reason} ({hint})") from None
     for weight in model.parameters():  # not model.to(dtype), which would round the rotary frequencies too
         weight.data = weight.data.to(dtype)
     for module in model.modules():  # dropout would make the trainer's log-probs differ from the sampler's
@@ -718,83 +711,83 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-@torch.no_grad()
-def generate(
-    model,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    eos_ids,
-    pad_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    generators: list | None = None,
-    group_size: int = 1,
-    stop_together: bool = False,
-    vocab_size: int | None = None,
-):
-    """Complete left-padded prompts [B, P] with a KV cache: greedily without generators, else sampling.
+class Rollout(NamedTuple):
+    """Prompts and their sampled completions."""
 
-    The rows come in groups of group_size copies of a prompt: each prompt is encoded once and its cache copied to its
-    group. stop_together: go on until every process is done (FSDP's forwards are collectives). Returns the completion
-    ids [B, T] (pad after EOS), their mask [B, T] (1 up to and including EOS), and the log-probs [B, T] of the tokens
-    under softmax(logits / T), the distribution before top-k and top-p.
+    prompt_ids: torch.Tensor  # [B, P], left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, T], padded after EOS
+    completion_mask: torch.Tensor  # [B, T], 1 up to and including EOS
+    sampler_logp: torch.Tensor  # [B, T], the sampler's log-probs of the tokens
+
+
+@torch.no_grad()
+def generate(policy: Policy, prompts: list[list[int]], args: Args, generators=None, group_size: int = 1) -> Rollout:
+    """Complete the prompts (token id lists) with a KV cache: greedily without generators, else sampling.
+
+    The prompts come in groups of group_size copies, each group sampled with its generator: a prompt is encoded once
+    and its cache copied to its group. sampler_logp: the tokens' log-probs under softmax(logits / T), the distribution
+    before top-k and top-p.
     """
     from transformers import DynamicCache
 
+    model = policy.model
+    pad_id = policy.tokenizer.pad_token_id
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, policy.device)  # [B, P]
     batch_size = prompt_ids.shape[0]
-    eos_ids = torch.tensor(eos_ids, device=prompt_ids.device).reshape(-1)
+    eos_ids = torch.tensor(policy.eos_ids, device=policy.device)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
     first_of_group = slice(None, None, group_size)
     cache = DynamicCache()
-    logits = model(
-        input_ids=prompt_ids[first_of_group],
-        attention_mask=prompt_mask[first_of_group],
-        position_ids=positions[first_of_group],
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1, :vocab_size]  # [B/G, V]
-    cache.batch_repeat_interleave(group_size)
-    logits = logits.repeat_interleave(group_size, dim=0)  # [B, V]
-    attention_mask = prompt_mask
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
-    tokens = []
-    logps = []
-    for step in range(max_new_tokens):
-        if generators is None:
-            scaled = logits.float()
-            token = scaled.argmax(-1)
-        else:
-            scaled = logits.float() / temperature
-            # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits); each group's noise from its generator
-            group_shape = (batch_size // len(generators), scaled.shape[-1])
-            uniform = torch.cat([torch.rand(group_shape, generator=g, device=scaled.device) for g in generators])
-            gumbel = -torch.log(-torch.log(uniform))  # [B, V]
-            token = (filter_logits(scaled, top_k, top_p) + gumbel).argmax(-1)
-        token = torch.where(finished, pad_id, token)  # [B]
-        tokens.append(token)
-        logps.append(torch.log_softmax(scaled, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1))
-        finished |= torch.isin(token, eos_ids)
-        done = finished.all().float()
-        if stop_together:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        if done or step == max_new_tokens - 1:  # the last token is never fed back
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, 1)], dim=1)
+    model.eval()  # in training mode, gradient checkpointing turns the KV cache off
+    with torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=policy.bf16):
         logits = model(
-            input_ids=token.unsqueeze(-1),
-            attention_mask=attention_mask,
-            position_ids=positions[:, -1:] + step + 1,
+            input_ids=prompt_ids[first_of_group],
+            attention_mask=prompt_mask[first_of_group],
+            position_ids=positions[first_of_group],
             cache=cache,
             use_cache=True,
-        ).logits[:, -1, :vocab_size]  # [B, V]
-    completion_ids = torch.stack(tokens, 1)  # [B, T]
+            logits_to_keep=1,
+        ).logits[:, -1, : policy.vocab_size]  # [B/G, V]
+        cache.batch_repeat_interleave(group_size)
+        logits = logits.repeat_interleave(group_size, dim=0)  # [B, V]
+        attention_mask = prompt_mask
+        finished = torch.zeros(batch_size, dtype=torch.bool, device=policy.device)
+        tokens = []
+        logps = []
+        for step in range(args.max_new_tokens):
+            if generators is None:
+                scaled = logits.float()
+                token = scaled.argmax(-1)
+            else:
+                scaled = logits.float() / args.temperature
+                # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits), a group's noise by its generator
+                group_shape = (batch_size // len(generators), scaled.shape[-1])
+                uniform = torch.cat([torch.rand(group_shape, generator=g, device=scaled.device) for g in generators])
+                gumbel = -torch.log(-torch.log(uniform))  # [B, V]
+                token = (filter_logits(scaled, args.top_k, args.top_p) + gumbel).argmax(-1)
+            token = torch.where(finished, pad_id, token)  # [B]
+            tokens.append(token)
+            logps.append(torch.log_softmax(scaled, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1))
+            finished |= torch.isin(token, eos_ids)
+            done = finished.all().float()
+            if args.fsdp:  # go on until every process is done: FSDP's forwards are collectives
+                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done or step == args.max_new_tokens - 1:  # the last token is never fed back
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, 1)], dim=1)
+            logits = model(
+                input_ids=token.unsqueeze(-1),
+                attention_mask=attention_mask,
+                position_ids=positions[:, -1:] + step + 1,
+                cache=cache,
+                use_cache=True,
+            ).logits[:, -1, : policy.vocab_size]  # [B, V]
+    model.train()
+    completion_ids = torch.stack(tokens, 1)  # [B, T], padded after EOS
     is_eos = torch.isin(completion_ids, eos_ids)
-    completion_mask = (is_eos.cumsum(1) - is_eos.long() == 0).long()  # no EOS before this position
-    return completion_ids, completion_mask, torch.stack(logps, 1)
+    completion_mask = (is_eos.cumsum(1) - is_eos.long() == 0).long()  # [B, T], 1 up to and including EOS
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.stack(logps, 1))
 
 
 def completion_logprobs(
@@ -850,40 +843,6 @@ def completion_logprobs(
         ).logits  # [B, T-1, V]
         logits = torch.cat([logits, rest], dim=1)  # [B, T, V]
     return token_logprobs(logits, completion_ids, temperature, with_entropy, vocab_size=vocab_size)
-
-
-class Rollout(NamedTuple):
-    """Prompts and their sampled completions."""
-
-    prompt_ids: torch.Tensor  # [B, P], left-padded
-    prompt_mask: torch.Tensor  # [B, P]
-    completion_ids: torch.Tensor  # [B, T], padded after EOS
-    completion_mask: torch.Tensor  # [B, T], 1 up to and including EOS
-    sampler_logp: torch.Tensor  # [B, T], the sampler's log-probs of the tokens
-
-
-def rollout(policy: Policy, prompts: list[list[int]], args: Args, generators=None, group_size: int = 1) -> Rollout:
-    """Complete the prompts (token id lists): sampled, each group with its generator, or greedy without generators."""
-    prompt_ids, prompt_mask = left_pad(prompts, policy.tokenizer.pad_token_id, policy.device)  # [B, P]
-    policy.model.eval()
-    with torch.autocast(policy.device.type, dtype=torch.bfloat16, enabled=policy.bf16):
-        completion_ids, completion_mask, sampler_logp = generate(
-            policy.model,
-            prompt_ids,
-            prompt_mask,
-            max_new_tokens=args.max_new_tokens,
-            eos_ids=policy.eos_ids,
-            pad_id=policy.tokenizer.pad_token_id,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            generators=generators,
-            group_size=group_size,
-            stop_together=args.fsdp,
-            vocab_size=policy.vocab_size,
-        )
-    policy.model.train()
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logp)
 
 
 def decode_completions(policy: Policy, batch: Rollout) -> list[str]:
@@ -984,7 +943,7 @@ def sample_round(policy: Policy, rows, prompts, positions: list[int], reward_fns
     cuda = policy.device.type == "cuda"
     start = clock(cuda)
     chosen, generators = draw_prompts(args.seed, positions, len(rows), policy.device)
-    batch = rollout(
+    batch = generate(
         policy, [prompts[i] for i in chosen for _ in range(args.group_size)], args, generators, args.group_size
     )
     generated = clock(cuda)
@@ -1079,15 +1038,15 @@ def majority_right(completions: list[str], answer: str) -> float:
 
 
 @torch.no_grad()
-def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> tuple[dict, str]:
-    """Held-out metrics, every process evaluating every prompt, and the first prompt's completion as a sample.
+def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> dict:
+    """Held-out metrics, every process evaluating every prompt; the first prompt's completion is printed as a sample.
 
     --eval-num-samples 1: greedy accuracy (the answer reward). k > 1: k completions a prompt at --temperature, drawn
     from a generator seeded by (seed, prompt), the same at every evaluation: pass@1 (their accuracy), pass@k (one of
     them is right), maj@k (majority_right) and, with --prm-path, prm@k (the one the PRM ranks first is right).
     """
     if not rows:
-        return {"eval_accuracy": math.nan}, ""
+        return {"eval_accuracy": math.nan}
     k = args.eval_num_samples
     prompts_per_batch = max(1, args.eval_batch_size // k)
     texts = []
@@ -1096,12 +1055,13 @@ def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> tuple[dic
         generators = None
         if k > 1:  # (seed, prompt, 1): apart from the training prompts' (seed, position)
             generators = [seeded_generator([args.seed, number, 1], policy.device) for number in numbers]
-        completed = rollout(policy, [prompts[number] for number in numbers for _ in range(k)], args, generators, k)
+        completed = generate(policy, [prompts[number] for number in numbers for _ in range(k)], args, generators, k)
         texts += decode_completions(policy, completed)
     sample = f"held-out sample: {rows[0]['prompt']!r} -> {texts[0]!r} (reference {rows[0]['answer']!r})"
+    print0(sample, enabled=int(os.environ.get("RANK", 0)) == 0)
     right = torch.tensor([answer_reward(text, rows[i // k]["answer"]) for i, text in enumerate(texts)]).view(-1, k)
     if k == 1:
-        return {"eval_accuracy": right.mean().item()}, sample
+        return {"eval_accuracy": right.mean().item()}
     metrics = {"eval_pass@1": right.mean().item(), f"eval_pass@{k}": right.amax(1).mean().item()}
     majority = [majority_right(texts[i * k : (i + 1) * k], row["answer"]) for i, row in enumerate(rows)]
     metrics[f"eval_maj@{k}"] = float(np.mean(majority))
@@ -1109,7 +1069,7 @@ def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> tuple[dic
         if name == "prm":  # best-of-k by the PRM: the standard test of a PRM (Lightman et al.)
             scores = torch.tensor(prm_reward([rows[i // k]["prompt"] for i in range(len(texts))], texts)).view(-1, k)
             metrics[f"eval_prm@{k}"] = right[torch.arange(len(rows)), scores.argmax(1)].mean().item()
-    return metrics, sample
+    return metrics
 
 
 # ---- Schedule, metrics, processes, checkpoints and flag checks
@@ -1270,24 +1230,18 @@ def checkpoint_steps(output_dir: str) -> list[int]:
 
 def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None]:
     """(output directory, checkpoint to resume from or None, the summary of a resumed run that is already finished).
-
-    A directory holds a run when it holds a checkpoint or a final model: what a crash leaves (logs) is no run.
-    """
-    stamp = torch.tensor([time.time()], dtype=torch.float64, device=device)
-    if dist.is_initialized():  # rank 0's clock: one run name everywhere
-        dist.broadcast(stamp, src=0)
+    A directory holds a run when it holds a checkpoint or a final model: what a crash leaves (logs) is no run."""
     output_dir = args.output_dir
-    if output_dir is None and args.resume_from not in (None, "latest"):
-        output_dir = os.path.dirname(os.path.abspath(args.resume_from))
     if output_dir is None:
+        stamp = torch.tensor([time.time()], dtype=torch.float64, device=device)
+        if dist.is_initialized():  # rank 0's clock: one run name everywhere
+            dist.broadcast(stamp, src=0)
         output_dir = os.path.join("runs", f"grpo__{args.seed}__{int(stamp.item())}")
     steps = checkpoint_steps(output_dir)
     if args.resume_from is None:
         if (steps or os.path.isdir(os.path.join(output_dir, "final"))) and not args.overwrite:
-            raise UserError(
-                f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it, "
-                "or pass another --output-dir"
-            )
+            message = f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it"
+            raise UserError(f"{message}, or pass another --output-dir")
         return output_dir, None, None
     resume = args.resume_from
     if resume == "latest" and steps:
@@ -1309,15 +1263,13 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
             summary = json.load(f)
         if summary["steps"] >= args.total_steps:
             message = (
-                f"{output_dir}: the run finished at step {summary['steps']} (with a checkpoint, a larger --total-steps"
+                f"the run finished at step {summary['steps']} (with a checkpoint, a larger --total-steps extends it)"
             )
-            print0(f"{message} extends it)", enabled=int(os.environ.get("RANK", 0)) == 0)
+            print0(f"{output_dir}: {message}", enabled=int(os.environ.get("RANK", 0)) == 0)
             return output_dir, None, summary
     if resume == "latest":
-        raise UserError(
-            f"--resume-from latest: {output_dir} holds no checkpoint (a run writes them with --save-every N, and when "
-            "stopped by a signal); --overwrite starts it anew"
-        )
+        message = f"--resume-from latest: {output_dir} holds no checkpoint (a run writes them with --save-every N"
+        raise UserError(f"{message}, and when stopped by a signal); --overwrite starts it anew")
     return output_dir, resume, None
 
 
@@ -1354,35 +1306,21 @@ def check_args(args: Args, world_size: int) -> None:
     for name in counts + ["max_sampling_rounds", "eval_num_samples"]:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    local_rows = args.prompts_per_step // world_size * args.group_size // args.num_minibatches
-    micro_ok = args.micro_batch_size == 0 or (args.micro_batch_size > 0 and local_rows % args.micro_batch_size == 0)
-    checks = [
-        (args.group_size < 2, "--group-size must be at least 2: advantages compare the completions of a prompt"),
-        (
-            not 0 < args.clip_eps_low <= 1 or args.clip_eps_high <= 0,
-            "--clip-eps-low must be in (0, 1], --clip-eps-high > 0",
-        ),
-        (args.learning_rate <= 0 or args.temperature <= 0, "--learning-rate and --temperature must be above 0"),
-        (not 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
-        (
-            args.prompts_per_step % (world_size * args.num_minibatches) != 0,
-            f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world_size} processes times "
-            f"--num-minibatches {args.num_minibatches}",
-        ),
-        (
-            not micro_ok,
-            f"--micro-batch-size {args.micro_batch_size} must divide the {local_rows} completions of a process's "
-            "minibatch",
-        ),
-        (args.fsdp and "WORLD_SIZE" not in os.environ, "--fsdp needs a launch by torchrun"),
-        (args.keep_checkpoints < 0 or args.kl_coef < 0, "--keep-checkpoints and --kl-coef must be at least 0"),
-        (args.rollout_correction_cap <= 1, "--rollout-correction-cap must be above 1"),
-        (not 0 <= args.overlong_buffer <= args.max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens]"),
-        (args.delta is not None and args.delta <= 1 + args.clip_eps_high, "--delta must be above 1 + --clip-eps-high"),
-    ]
-    for wrong, message in checks:
-        if wrong:
-            raise UserError(message)
+    if args.group_size < 2:
+        raise UserError("--group-size must be at least 2: advantages compare the completions of a prompt")
+    if not 0 < args.clip_eps_low <= 1 or args.clip_eps_high <= 0:
+        raise UserError("--clip-eps-low must be in (0, 1], --clip-eps-high above 0")
+    if args.learning_rate <= 0 or args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise UserError("--learning-rate and --temperature must be above 0, --top-p in (0, 1]")
+    if args.prompts_per_step % (world_size * args.num_minibatches) != 0:
+        message = f"--prompts-per-step {args.prompts_per_step} must be divisible by the {world_size} processes"
+        raise UserError(f"{message} times --num-minibatches {args.num_minibatches}")
+    minibatch_rows = args.prompts_per_step // world_size * args.group_size // args.num_minibatches
+    if args.micro_batch_size and minibatch_rows % args.micro_batch_size != 0:
+        message = f"--micro-batch-size {args.micro_batch_size} must divide the {minibatch_rows} completions"
+        raise UserError(f"{message} of a process's minibatch")
+    if args.fsdp and "WORLD_SIZE" not in os.environ:
+        raise UserError("--fsdp needs a launch by torchrun")
 
 
 def train(args: Args) -> dict:
@@ -1463,13 +1401,8 @@ def train(args: Args) -> dict:
     if cuda:
         peak_tflops = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), 0)
 
-    def evaluate_held_out() -> dict:  # and print a sample of what the model writes
-        metrics, sample = evaluate(policy, eval_prompts, eval_rows, args, reward_fns)
-        print0(sample, enabled=is_main and bool(eval_rows))
-        return metrics
-
     if not resume_path and eval_rows:
-        eval_start = evaluate_held_out()
+        eval_start = evaluate(policy, eval_prompts, eval_rows, args, reward_fns)
         logger.log(0, eval_start)
     eval_end = eval_start
     bad_updates = 0
@@ -1644,7 +1577,7 @@ def train(args: Args) -> dict:
                 flops = 2 * num_params * passes * (counts["prompt_tokens"] + counts["generated"])
                 metrics["mfu"] = flops / world_size / metrics["step_time_s"] / (peak_tflops * 1e12)
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.total_steps:
-                eval_end = evaluate_held_out()
+                eval_end = evaluate(policy, eval_prompts, eval_rows, args, reward_fns)
                 metrics.update(eval_end)
             logger.log(step + 1, metrics)
             history.append(metrics)
@@ -1673,7 +1606,7 @@ def train(args: Args) -> dict:
     # ---- Final model, evaluation and benchmark summary
     if not stopped:
         save_run(os.path.join(output_dir, "final"), model, policy.tokenizer, args)
-        eval_end = evaluate_held_out()
+        eval_end = evaluate(policy, eval_prompts, eval_rows, args, reward_fns)
         if eval_rows:
             logger.log(start_step + len(history), eval_end)
     summary = {

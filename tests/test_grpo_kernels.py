@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from grpo import (
+    Args,
+    Policy,
     completion_logprobs,
     filter_logits,
     generate,
@@ -710,16 +712,12 @@ def seeded(count: int, seed: int) -> list:
     return [torch.Generator().manual_seed(seed * 1000 + i) for i in range(count)]
 
 
-def run_generate(tokenizer, model, prompts, eos_ids=None, **kwargs):
-    ids, mask = left_pad(prompts, tokenizer.pad_token_id, "cpu")
-    return generate(
-        model,
-        ids,
-        mask,
-        eos_ids=tokenizer.eos_token_id if eos_ids is None else eos_ids,
-        pad_id=tokenizer.pad_token_id,
-        **kwargs,
-    )
+def run_generate(tokenizer, model, prompts, eos_ids=None, vocab_size=None, generators=None, group_size=1, **kwargs):
+    """generate's completion ids, mask and sampler log-probs; kwargs: Args' sampling flags."""
+    eos_ids = [tokenizer.eos_token_id] if eos_ids is None else eos_ids
+    policy = Policy(model, tokenizer, eos_ids, vocab_size, torch.device("cpu"), bf16=False)
+    batch = generate(policy, prompts, Args(**kwargs), generators, group_size)
+    return batch.completion_ids, batch.completion_mask, batch.sampler_logp
 
 
 def expected_mask(tokens: list, eos_ids: list) -> list:

@@ -381,7 +381,6 @@ BAD_INPUTS = [  # (case, flags (DATA: a file of BAD_ROWS[case]; RUN: a directory
     ("no_minibatches", ["--num-minibatches", "0"], "--num-minibatches must be at least 1"),
     ("no_prompts", ["--prompts-per-step", "0"], "--prompts-per-step must be at least 1"),
     ("no_rounds", ["--dynamic-sampling", "--max-sampling-rounds", "0"], "--max-sampling-rounds must be at least 1"),
-    ("correction_cap", ["--rollout-correction", "token-tis", "--rollout-correction-cap", "1"], "-cap must be above 1"),
     ("group_size", ["--group-size", "1"], "--group-size"),
     ("clip", ["--clip-eps-low", "1.5"], "--clip-eps-low"),
     ("learning_rate", ["--learning-rate", "0"], "--learning-rate"),
