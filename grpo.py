@@ -1521,8 +1521,7 @@ def train(args: Args) -> dict:
                     if distributed and not args.fsdp:  # each process's loss is its share: the gradients are summed
                         for p in trainable:
                             dist.all_reduce(p.grad)
-                    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
-                    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm or math.inf)  # 0: no clip
                     if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm is a tensor sharded over processes
                         grad_norm = grad_norm.full_tensor()
                     grad_norms.append(float(grad_norm))
@@ -1532,8 +1531,8 @@ def train(args: Args) -> dict:
                     else:  # a non-finite loss or gradient would poison the weights: skip the update
                         skipped_updates += 1
                         bad_updates += 1
-                        message = f"step {step + 1}: non-finite gradient, update skipped"
-                        print0(f"warning: {message}", file=sys.stderr, enabled=is_main)
+                        message = f"warning: step {step + 1}: non-finite gradient, update skipped"
+                        print0(message, file=sys.stderr, enabled=is_main)
                     if bad_updates == MAX_BAD_STEPS:
                         message = f"{MAX_BAD_STEPS} updates in a row had a non-finite loss or gradient"
                         raise UserError(f"{message}: lower --learning-rate or check the rewards")
@@ -1589,9 +1588,8 @@ def train(args: Args) -> dict:
                 state = {"step": step + 1, "data_position": data_position, "eval_start": eval_start}
                 state["skipped"] = skipped_updates
                 state["rng"] = torch.get_rng_state()
-                save_run(
-                    os.path.join(output_dir, f"checkpoint-{step + 1}"), model, policy.tokenizer, args, optimizer, state
-                )
+                checkpoint = os.path.join(output_dir, f"checkpoint-{step + 1}")
+                save_run(checkpoint, model, policy.tokenizer, args, optimizer, state)
                 if is_main and args.keep_checkpoints:  # 0 keeps them all
                     for old in checkpoint_steps(output_dir)[: -args.keep_checkpoints]:
                         shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
@@ -1609,11 +1607,8 @@ def train(args: Args) -> dict:
         eval_end = evaluate(policy, eval_prompts, eval_rows, args, reward_fns)
         if eval_rows:
             logger.log(start_step + len(history), eval_end)
-    summary = {
-        "steps": start_step + len(history),
-        "interrupted": stopped,
-        "total_time_s": time.perf_counter() - run_start,
-    }
+    summary = {"steps": start_step + len(history), "interrupted": stopped}
+    summary["total_time_s"] = time.perf_counter() - run_start
     summary.update(benchmark_summary(history, cuda))
     for key, value in eval_start.items():
         summary[f"{key}_start"] = value
