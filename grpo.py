@@ -114,11 +114,8 @@ class Args:
 
 # ---- Kernels: tensors in, tensors out. The tests import these.
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
-    """A_i = (r_i - mean of r_i's group) / (std + eps), for rewards [B] laid out group after group.
-
-    scale: the std of each group ("group"), of the whole batch ("batch"), or none at all (Dr. GRPO); Bessel's std, as
-    TRL and verl. A group whose rewards are all equal gets exactly 0: it tells its completions nothing apart.
-    """
+    """A_i = (r_i - mean of r_i's group) / (std + eps) for rewards [B] laid out group after group; equal rewards get
+    exactly 0. scale: the std (Bessel's, as TRL and verl) of each group, of the whole batch, or none (Dr. GRPO)."""
     grouped = rewards.double().view(-1, group_size)  # [groups, G]; float64: squares of large rewards overflow fp32
     advantages = grouped - grouped.mean(1, keepdim=True)
     if scale == "group":
@@ -130,17 +127,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     # the float mean of equal values can differ from them in the last bit, which /(std + eps) would blow up
     equal = grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)
     advantages = torch.where(equal, 0.0, advantages).view(-1)
-    if rewards.is_floating_point():
-        return advantages.to(rewards.dtype)
-    return advantages.float()
+    return advantages.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (http://joschu.net/blog/kl-approx.html).
-
-    With x = ref_logp - logp: k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1. As losses, k3's gradient is that of
-    KL(pi_ref || pi), k2's that of KL(pi || pi_ref).
-    """
+    """Per-token KL(pi || pi_ref) estimate from tokens of pi, x = ref_logp - logp: k1 = -x, k2 = x^2/2, k3 = e^x - x - 1
+    (http://joschu.net/blog/kl-approx.html). As losses, k3's gradient is KL(pi_ref || pi)'s, k2's KL(pi || pi_ref)'s."""
     x = ref_logp - logp
     if estimator == "k1":
         return -x
@@ -172,26 +164,21 @@ def grpo_loss(
     policy_loss: str = "ppo",
     rollout_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """PPO's clipped surrogate plus a KL penalty, per completion token, aggregated over the batch by loss_type.
+    """PPO's clipped surrogate plus a KL penalty per completion token, aggregated over the batch by loss_type.
 
-    logp, old_logp, ref_logp, mask: [B, T], mask 1 on completion tokens (EOS included); advantages: [B].
-    Per token, with r = exp(logp - old_logp):  l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + kl_coef KL.
-    importance_sampling "sequence" (GSPO): a row's tokens share r = exp(the row's mean log r). delta caps the unclipped
-    r (INTELLECT-2). kl_ratio_weighted: KL times the token's r. policy_loss "cispo" (MiniMax-M1): the policy term is
-    -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp, which no clip silences. rollout_weights [B, T] weigh that term.
-    With N sequences and M tokens in the batch (total_sequences and total_tokens, when this call sees a part of it):
+    logp, old_logp, ref_logp, mask (1 on completion tokens), rollout_weights (on the pg term): [B, T]; advantages: [B].
+    Per token, with r = exp(logp - old_logp): l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + kl_coef KL. GSPO's
+    importance_sampling "sequence" gives a row one r, delta caps r (INTELLECT-2), "cispo" is MiniMax-M1's policy term.
+    With N sequences, M tokens in the batch (total_*, when this call sees a part, so that the parts' losses sum to it):
         grpo: (1/N) sum_i (sum_t l m / sum_t m)   bnpo, dapo: sum l m / M   dr_grpo: sum l m / (N max_completion_length)
-    so the losses of the parts (micro-batches, processes) sum to the batch's. Returns (loss, stats): token means over
-    this part of the ratio, the clip fractions, pg_loss and the KL, and the part's token count.
+    Returns (loss, stats): this part's token means of the ratio, clip fractions, pg_loss and KL, and its token count.
     """
     dtype = torch.promote_types(logp.dtype, torch.float32)  # a bf16 mask would count 501 tokens as 500
     logp = logp.to(dtype)
-    old_logp = old_logp.to(dtype)
     mask = mask.to(dtype)
     in_loss = mask.bool()
     adv = advantages.to(dtype).unsqueeze(1)  # [B, 1]
-    # the importance ratio r = pi / pi_old, per token or one per sequence
-    log_ratio = torch.where(in_loss, logp - old_logp, 0.0)  # padding may hold anything: exp(inf) * 0 would be NaN
+    log_ratio = torch.where(in_loss, logp - old_logp.to(dtype), 0.0)  # padding may hold inf, and exp(inf) * 0 is NaN
     if importance_sampling == "token":
         ratio = log_ratio.exp()  # [B, T]
     elif importance_sampling == "sequence":
@@ -199,12 +186,9 @@ def grpo_loss(
         ratio = mean_log_ratio.exp().expand_as(logp)  # [B, T]
     else:
         raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
-    # the policy term
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     if policy_loss == "ppo":  # the pessimistic surrogate: the smaller of the unclipped and clipped objective, either A
-        unclipped = ratio
-        if delta is not None:
-            unclipped = ratio.clamp(max=delta)
+        unclipped = ratio if delta is None else ratio.clamp(max=delta)
         pg_loss = -torch.min(unclipped * adv, clipped * adv)  # [B, T]
     elif policy_loss == "cispo":  # the clipped ratio only weighs the log-prob's gradient: every token keeps one
         pg_loss = -clipped.detach() * adv * torch.where(in_loss, logp, 0.0)  # [B, T]
@@ -212,7 +196,6 @@ def grpo_loss(
         raise ValueError(f"policy_loss must be ppo or cispo, got {policy_loss!r}")
     if rollout_weights is not None:
         pg_loss = pg_loss * rollout_weights
-    # the KL penalty to the reference policy
     token_loss = pg_loss
     kl = None
     if kl_coef != 0.0:
@@ -220,7 +203,6 @@ def grpo_loss(
         if kl_ratio_weighted:  # the tokens come from pi_old: r = pi / pi_old weighs them to pi
             kl = log_ratio.exp() * kl
         token_loss = pg_loss + kl_coef * kl  # [B, T]
-    # the aggregation over the whole batch
     num_sequences = total_sequences if total_sequences is not None else logp.shape[0]
     num_tokens = total_tokens if total_tokens is not None else mask.sum().item()
     row_sums = (token_loss * mask).sum(1)  # [B]
@@ -232,7 +214,6 @@ def grpo_loss(
         loss = row_sums.sum() / (num_sequences * max_completion_length)
     else:
         raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
-
     with torch.no_grad():
         clip_low, clip_high = clipped_tokens(ratio, adv, clip_eps_low, clip_eps_high, delta, policy_loss)
         per_token = {"ratio_mean": ratio, "clip_frac_low": clip_low, "clip_frac_high": clip_high, "pg_loss": pg_loss}
@@ -257,12 +238,9 @@ def clipped_tokens(ratio, adv, clip_eps_low, clip_eps_high, delta, policy_loss) 
 
 
 def rollout_correction(old_logp, sampler_logp, mask, mode: str, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights [B, T] of the policy term that correct for the sampler's log-probs differing from the trainer's on the
-    same weights and tokens (https://fengyao.notion.site/off-policy-rl), and the tokens they change [B, T].
-
-    token-tis: each token weighs pi_old / pi_sampler, capped at cap (truncated importance sampling), detached.
-    sequence-mask: a completion whose geometric-mean ratio is outside [1/cap, cap] weighs 0, the others 1.
-    """
+    """Weights [B, T] of the policy term for the sampler's log-probs differing from the trainer's on the same weights
+    (https://fengyao.notion.site/off-policy-rl), and the tokens they change [B, T]. token-tis: pi_old / pi_sampler,
+    capped at cap, detached; sequence-mask: 0 for a completion whose geometric-mean ratio is outside [1/cap, cap]."""
     in_loss = mask.bool()
     log_ratio = torch.where(in_loss, old_logp - sampler_logp, 0.0).detach()  # [B, T]
     if mode == "token-tis":
@@ -283,11 +261,8 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 
 
 def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, rows_per_chunk=16, vocab_size=None):
-    """log softmax(logits / T) at the targets [B, T], in fp32, and the entropy [B, T] or None.
-
-    logits [B, T, V] go a few rows at a time (without gradients, only a chunk is ever in fp32), over the first
-    vocab_size ids (those the sampler draws).
-    """
+    """log softmax(logits / T) [B, T] at the targets, in fp32, over the first vocab_size ids (those the sampler draws),
+    and the entropy [B, T] or None. logits [B, T, V] go a few rows at a time: without gradients one chunk is in fp32."""
     logps = []
     entropies = []
     for start in range(0, logits.shape[0], rows_per_chunk):
@@ -297,18 +272,12 @@ def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, rows_pe
         chunk = torch.log_softmax(chunk, dim=-1)
         logps.append(chunk.gather(-1, targets[start : start + rows_per_chunk].unsqueeze(-1)).squeeze(-1))
         if with_entropy:
-            with torch.no_grad():
-                entropies.append(torch.special.entr(chunk.exp()).sum(-1))  # entr(0) = 0, where p log p is NaN
-    if not with_entropy:
-        return torch.cat(logps), None
-    return torch.cat(logps), torch.cat(entropies)
+            entropies.append(torch.special.entr(chunk.detach().exp()).sum(-1))  # entr(0) = 0, where p log p is NaN
+    entropy = torch.cat(entropies) if with_entropy else None
+    return torch.cat(logps), entropy
 
 
 # ---- Task, data and rewards
-TINY_CHARS = list("0123456789+-*/%()= ")
-TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-
-
 class UserError(Exception):
     """A mistake in the user's input or flags: one line on stderr, exit code 2."""
 
@@ -545,12 +514,10 @@ def make_reward_fns(args: Args, device) -> list[tuple]:
 
         def prm_reward(prompts: list[str], completions: list[str]) -> list[float]:
             solutions = [[step for step in text.split(separator) if step.strip()] for text in completions]
-            rewards = []
-            for scores, steps in zip(prm.score_steps(scorer, prompts, solutions), solutions):
-                # steps past the PRM's max length get no score and count as 0: else the policy could write on unjudged
-                unjudged = [0.0] * (len(steps) - len(scores))
-                rewards.append(prm.aggregate_scores(scores + unjudged, args.prm_aggregate))
-            return rewards
+            scored = zip(prm.score_steps(scorer, prompts, solutions), solutions)
+            # steps past the PRM's max length get no score and count as 0: else the policy could write on unjudged
+            padded = [scores + [0.0] * (len(steps) - len(scores)) for scores, steps in scored]
+            return [prm.aggregate_scores(scores, args.prm_aggregate) for scores in padded]
 
         fns.append(("prm", prm_reward, args.prm_reward_weight))
     return fns
@@ -562,30 +529,27 @@ def load_model(name: str, dtype: torch.dtype, seed: int):
     from tokenizers import Tokenizer, decoders, models, processors
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    local = os.path.exists(os.path.expanduser(name))
-    if not local and (name.startswith(("/", ".", "~")) or name.count("/") > 1):  # a path, not a hub id ORG/NAME
-        raise UserError(f"--model {name} does not exist")
+    if not os.path.exists(os.path.expanduser(name)) and (name.startswith(("/", ".", "~")) or name.count("/") > 1):
+        raise UserError(f"--model {name} does not exist")  # a path: a hub id is ORG/NAME
     torch.manual_seed(seed)
     if name == "tiny":
-        vocab = {token: i for i, token in enumerate(TINY_SPECIALS + TINY_CHARS)}
+        specials = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+        vocab = {token: i for i, token in enumerate([*specials.values(), *"0123456789+-*/%()= "])}
         core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: a token per character
-        core.add_special_tokens(TINY_SPECIALS)
+        core.add_special_tokens(list(specials.values()))
         core.decoder = decoders.Fuse()
         core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-        specials = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=1024, **specials)
         shape = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
-        model = LlamaForCausalLM(
-            LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=0, **shape)
-        )
+        config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=0, **shape)
+        model = LlamaForCausalLM(config)
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
         except (OSError, ValueError) as error:
             reason = str(error).strip().splitlines()[0]
-            hint = "HF_HUB_OFFLINE=1 skips the hub's retries"
-            raise UserError(f"could not load --model {name}: {reason} ({hint})") from None
+            raise UserError(f"could not load --model {name}: {reason} (HF_HUB_OFFLINE=1 skips hub retries)") from None
     for weight in model.parameters():  # not model.to(dtype), which would round the rotary frequencies too
         weight.data = weight.data.to(dtype)
     for module in model.modules():  # dropout would make the trainer's log-probs differ from the sampler's
@@ -619,19 +583,13 @@ def build_policy(args: Args, bf16: bool, resume_path: str | None, device: torch.
     disable_progress_bar()  # its bars for loading and saving weights would break into the log's lines
     dtype = torch.bfloat16 if bf16 else torch.float32
     # trained weights stay fp32 (bf16 would round small updates away) and compute under autocast; LoRA's base in dtype
-    weights_dtype = torch.float32
-    if args.lora_r and not args.fsdp:
-        weights_dtype = dtype
-    source = args.model
-    if resume_path and not args.lora_r:
-        source = resume_path  # a checkpoint of full fine-tuning holds the whole model
+    weights_dtype = dtype if args.lora_r and not args.fsdp else torch.float32
+    source = resume_path if resume_path and not args.lora_r else args.model  # full fine-tuning saves the whole model
     model, tokenizer = load_model(source, weights_dtype, args.seed)
     if args.lora_r and resume_path:
         model = PeftModel.from_pretrained(model, resume_path, is_trainable=True)
     elif args.lora_r:
-        targets = args.lora_target_modules
-        if targets != "all-linear":
-            targets = targets.split(",")
+        targets = "all-linear" if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
         config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
     reference = None
@@ -668,20 +626,17 @@ def encode_prompts(tokenizer, rows: list[dict], args: Args) -> list[list[int]]:
     """Token ids of each row's prompt, in the chat template (after the system message) when the tokenizer has one."""
     if args.system_prompt is not None and not (args.chat_template and tokenizer.chat_template):
         raise UserError("--system-prompt needs a chat template, and this tokenizer has none (or it is off)")
+    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     encoded = []
     for row in rows:
         if args.chat_template and tokenizer.chat_template:
-            messages = [{"role": "user", "content": row["prompt"]}]
-            if args.system_prompt is not None:
-                messages.insert(0, {"role": "system", "content": args.system_prompt})
+            messages = [*system, {"role": "user", "content": row["prompt"]}]
             ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
         else:
             ids = tokenizer(row["prompt"])["input_ids"]
         if len(ids) > args.max_prompt_length:
             where = row.get("where", "a built-in prompt")
-            raise UserError(
-                f"{where}: the prompt is {len(ids)} tokens, over --max-prompt-length {args.max_prompt_length}"
-            )
+            raise UserError(f"{where}: {len(ids)} prompt tokens, over --max-prompt-length {args.max_prompt_length}")
         encoded.append(ids)
     unknown = sum(tokenizer.unk_token_id in ids for ids in encoded)
     if unknown:  # characters the tokenizer cannot spell: the model never sees them, a sure way to learn nothing
