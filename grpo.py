@@ -316,17 +316,14 @@ def load_jsonl(path: str) -> list[dict]:
 
 
 # Answers: the last answer a text states, compared exactly as a number (a fraction), else by Math-Verify (TRL's).
-# a stated answer: GSM8K's "#### 72" (not "#### Step 2"); the line under PRM800K's "# Answer" heading; "The answer is
-# $18$.", "Answer: 7" or GSM8K's "A: 72" (up to ", because ..."), but not prose ("the answer is correct")
+# "#### 72" (not "#### Step 2"), a "# Answer" heading's next line, "The answer is $18$." (not "... is correct"), "A: 7"
 SAID = re.compile(
-    r"^####[ \t]*(?P<marked>[^\sA-Za-z#*][^\n]*)"
+    r"(?im)^####[ \t]*(?P<marked>[^\sA-Za-z#*][^\n]*)"
     r"|^#+[ \t]*(?:final[ \t]+)?answer[ \t:]*\n\s*(?P<heading>[^\n]+)"
     r"|(?:answer(?:[ \t]+is\b|[ \t]*:)|^A:)[\s:]*(?![A-Za-z]{2})"
-    r"(?P<sentence>[^\s.:](?:[^\n.,]|\.(?=\S)|,(?!\s*[a-z]{2}))*)",
-    re.IGNORECASE | re.MULTILINE,
+    r"(?P<sentence>[^\s.:](?:[^\n.,]|\.(?=\S)|,(?!\s*[a-z]{2}))*)"
 )
-BOX = re.compile(r"\\boxed\s*\{")  # a box opens: \boxed{
-BOXED = re.compile(BOX.pattern + r"((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")  # and closes: \boxed{\frac{1}{2}}, 2 deep
+BOXED = re.compile(r"\\boxed\s*\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)(\}?)")  # \boxed{\frac{1}{2}}, or cut: \boxed{18
 TOGETHER = re.compile(r"[\W_]*(?:\b(?:or|and)\b[\W_]*)?")  # between answers stated together: \boxed{5} or \boxed{6}
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])|\n\s*\n")  # "... is 18. Then" or a blank line
 MATHS = re.compile(r"\$([^$]+)\$")  # inline maths: $AB = 2\sqrt{3}$
@@ -345,42 +342,37 @@ NUMBER = re.compile(
 )
 SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
 UNIT = re.compile(r"(?<=\d)(?:\s+(?!(?:thousand|[mbtr]illion)\b)[A-Za-z]+(?:\^[23]|[²³])?)+$")  # 18 dollars, 6 cm^2
-# not maths, refused before Math-Verify: no digit nor letter ("()"), or an operator at an end ("5+", "/5", ")5")
-MALFORMED = re.compile(r"^[^\dA-Za-z]*$|^[*/=^,)\]]|[-+*/=^,(\[]$")
+# not maths, refused before Math-Verify: no digit nor letter ("()"), an operator at an end ("5+", "/5"), unclosed "(5"
+MALFORMED = re.compile(r"^[^\dA-Za-z]*$|^[*/=^,)\]]|[-+*/=^,]$|[(\[][^)\]]*$")
 # sympy takes seconds, or forever, on power towers, huge powers, factorials and binomials: refused before Math-Verify
 PATHOLOGICAL = re.compile(r"\^\s*(?:\{[^{}]*|\([^()]*|\d+\s*)\^|\^[{(]?\d{5,}|(?:\d{4,}|[)}])\s*!|\\binom\{\d{4,}")
 
 
-def last_stated(text: str) -> list[str | None]:
-    """The last answer the text states and those stated together with it ("\\boxed{5} or \\boxed{6}"), in order, or [];
-    None for a box left open (the text was cut at the token limit)."""
-    boxes = [(match.start(), match.end(), match[1]) for match in BOXED.finditer(text)]
-    closed = {box[0] for box in boxes}
-    boxes += [(match.start(), len(text), None) for match in BOX.finditer(text) if match.start() not in closed]
+def stated_answer(text: str, otherwise: str | None) -> str | None:
+    """The last answer a text states, with those stated with it ("5, 6"), else `otherwise`; None: cut, none or long."""
+    boxes = [(match.start(), match.end(), match[1]) for match in BOXED.finditer(text) if match[2]]
+    boxes += [(match.start(), len(text), None) for match in BOXED.finditer(text) if not match[2]]
     said = [(match.start(match.lastgroup), match.end(), match[match.lastgroup]) for match in SAID.finditer(text)]
     said = [span for span in said if not any(span[0] <= box[0] < span[1] for box in boxes)]  # "is $\\boxed{5}$"
     found = sorted(boxes + said)
-    group = found[-1:]
-    for earlier in reversed(found[:-1]):
-        if not TOGETHER.fullmatch(text[earlier[1] : group[-1][0]]):
-            break
-        group.append(earlier)
-    return [answer for _, _, answer in reversed(group)]
-
-
-def unstated(text: str, numeric: bool) -> str | None:
-    """A text that states no answer: for a number, a prose ending's last number (GSM8K's "... so she makes $18.");
-    else the last sentence's last $...$, or that sentence when it is bare maths ("3\\frac{6}{11}", "(49/10)^2")."""
-    last = SENTENCE_END.split(text.strip())[-1]
-    prose = PROSE.search(NOISE.sub("", last))  # a unit, "6\\text{ square units}", is no prose
-    if numeric and prose:
-        return ([None] + [match[0] for match in NUMBER.finditer(normalise(text))])[-1]
-    maths = MATHS.findall(last)
-    if maths:
-        return maths[-1]
-    if prose:
+    first = len(found) - 1
+    while first > 0 and TOGETHER.fullmatch(text[found[first - 1][1] : found[first][0]]):
+        first -= 1
+    answers = [answer for _, _, answer in found[first:]] or [otherwise]
+    answer = ", ".join(dict.fromkeys(filter(None, answers)))
+    if None in answers or len(answer) > 200:
         return None
-    return last
+    return answer or None
+
+
+def unstated(text: str, reference: str) -> str | None:
+    """What a text stating no answer ends on: a bare-maths last sentence, a number (numeric reference) or last $...$."""
+    last = SENTENCE_END.split(text.strip())[-1]
+    if not PROSE.search(NOISE.sub("", last)):  # a unit, "6\\text{ square units}", is no prose
+        return last
+    if parse_number(normalise(reference)) is not None:
+        return ([None] + [match[0] for match in NUMBER.finditer(normalise(text))])[-1]
+    return ([None] + MATHS.findall(last))[-1]
 
 
 def normalise(text: str) -> str:
@@ -392,21 +384,17 @@ def normalise(text: str) -> str:
 
 @functools.lru_cache(maxsize=4096)  # a group's reference, and many of its answers, recur
 def parse_number(text: str) -> tuple[int, int] | None:
-    """A normalised number as written, as (numerator, denominator): '1,234' -> (1234, 1), '7.50' -> (15, 2),
-    '3\\frac{6}{11}' -> (39, 11), '72/375' -> (72, 375) unreduced (MATH asks for lowest terms). None: not a number."""
-    slashed = FRACTION.sub(lambda match: f"{match['whole'] or ''} {match['top']}/{match['bottom']}".strip(), text)
+    """A normalised number as (numerator, denominator): '7.50' -> (15, 2), '72/375' -> (72, 375) kept unreduced."""
+    slashed = FRACTION.sub(r"\g<whole> \g<top>/\g<bottom>", text).strip()  # \frac{3}{4} -> 3/4, 3\frac{6}{11} -> 3 6/11
     match = NUMBER.fullmatch(UNIT.sub("", slashed))
     if match is None or float(match["bottom"] or 1) == 0:
         return None
-    top = Fraction(match["top"].replace(",", "")) * SCALES.get(match["scale"], 1)
+    top = Fraction(match["sign"] + match["top"].replace(",", "")) * SCALES.get(match["scale"], 1)
     bottom = Fraction(match["bottom"] or 1)
-    top += int(match["whole"] or 0) * bottom
-    if match["sign"] == "-":
-        top = -top
-    if top.denominator == bottom.denominator == 1:  # a fraction of integers, as written
+    top += int(match["sign"] + (match["whole"] or "0")) * bottom
+    if top.denominator == bottom.denominator == 1:  # a fraction of integers as written: MATH asks for lowest terms
         return top.numerator, bottom.numerator
-    value = top / bottom
-    return value.numerator, value.denominator
+    return (top / bottom).as_integer_ratio()
 
 
 @functools.lru_cache(maxsize=4096)  # a group's completions often state the same answer
@@ -420,68 +408,41 @@ def symbolic_equal(stated: str, reference: str) -> bool:
 
 
 def same_answer(stated: str, reference: str) -> bool:
-    """Numbers exactly as written, letters as text, the rest by Math-Verify; an equation against a value is its right
-    side (x = 5), against an equation it is lhs - (rhs), so that a sign the problem fixes counts."""
-    if not stated or len(stated) > 200:
-        return False
+    """Numbers exactly as written, words as text, the rest by Math-Verify; an equation by right side or lhs - rhs."""
     stated, reference = normalise(stated), normalise(reference)
-    if stated == reference:  # what Math-Verify cannot read, as 12:30 or 1011_2, must at least match itself
-        return True
     if "=" in stated and "=" not in reference:
         stated = stated.rsplit("=", 1)[1].strip()
+    words = [re.sub(r"[\s()]", "", text).lower() for text in (stated, reference)]
+    if stated == reference or any(word.isascii() and word.isalpha() for word in words):  # 12:30; LXQS, (C) as text
+        return words[0] == words[1]
     numbers = parse_number(stated), parse_number(reference)
     if None not in numbers:
         return numbers[0] == numbers[1]
-    words = [re.sub(r"[\s()]", "", text).lower() for text in (stated, reference)]
-    if any(word.isascii() and word.isalpha() for word in words):  # LXQS, (C): as text, not Math-Verify's L*X*Q*S
-        return words[0] == words[1]
-    if MALFORMED.search(stated) or stated.count("(") + stated.count("[") != stated.count(")") + stated.count("]"):
-        return False  # "(5" is no maths either: its brackets do not balance
-    if PATHOLOGICAL.search(stated) or PATHOLOGICAL.search(reference):
+    if MALFORMED.search(stated) or PATHOLOGICAL.search(stated) or PATHOLOGICAL.search(reference):
         return False
     if "=" in stated and "=" in reference:
         stated, reference = ["{}-({})".format(*side.split("=", 1)) for side in (stated, reference)]
     return symbolic_equal(stated, reference)
 
 
-def reference_answer(answer: str) -> str | None:
-    """The answer a reference states last (a worked solution: GSM8K's `#### 72`, MATH's \\boxed{}), or the reference
-    itself; None for a box left open or no short answer."""
-    references = last_stated(answer) or [answer.strip()]
-    reference = ", ".join(dict.fromkeys(filter(None, references)))
-    if None in references or len(reference) > 200:
-        return None
-    return reference
-
-
-def stated_answer(completion: str, numeric: bool) -> str | None:
-    """The answer a completion states last, with those stated together ("\\boxed{1} and \\boxed{2}" is "1, 2"); None
-    for none or a box left open. numeric: the reference is a number (see unstated)."""
-    stated = last_stated(completion) or [unstated(completion, numeric)]
-    if None in stated:
-        return None
-    return ", ".join(dict.fromkeys(stated))
-
-
 def answer_reward(completion: str, answer: str) -> float:
-    """1.0 when the answer the completion states last equals the reference's (see reference_answer)."""
-    reference = reference_answer(answer)
+    """1.0 when the answer the completion states last equals the one the reference states (or the reference itself)."""
+    reference = stated_answer(answer, answer.strip())
     if reference is None:
         return 0.0
-    stated = stated_answer(completion, parse_number(normalise(reference)) is not None)
+    stated = stated_answer(completion, unstated(completion, reference))
     return float(stated is not None and same_answer(stated, reference))
 
 
 def format_reward(completion: str, answer: str) -> float:
     """1.0 for a bare canonical number (not "05"), or a text that ends with `#### n` or a non-empty \\boxed{...}."""
-    text = completion.strip()
-    end = text.removesuffix(".").rstrip().rstrip("$").removesuffix("\\]").removesuffix("\\)").rstrip()
+    end = completion.strip().removesuffix(".").rstrip().rstrip("$").removesuffix("\\]").removesuffix("\\)").rstrip()
     last_box = re.search(BOXED.pattern + "$", end)
-    if last_box and last_box[1].strip():
+    bare = re.fullmatch(r"\s*-?(?:0|[1-9]\d*)(?:\.\d+)?\s*", completion)  # 5, -3.5; not 05
+    marked = re.search(r"####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$", end)  # #### 1,234
+    if last_box and last_box[2] and last_box[1].strip():
         return 1.0
-    if re.fullmatch(r"-?(?:0|[1-9]\d*)(?:\.\d+)?", text):
-        return 1.0
-    return float(bool(re.search(r"####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$", end)))
+    return float(bool(bare or marked))
 
 
 def compute_rewards(prompts: list[str], completions: list[str], answers: list[str], reward_fns: list) -> dict:
@@ -979,11 +940,10 @@ def take_groups(rounds: list[Round], kept: list[tuple[int, int]], group_size: in
 def majority_right(completions: list[str], answer: str) -> float:
     """maj@k of one prompt: 1.0 when the answer its completions state most often is right. Two answers count as one
     when same_answer says so; a completion that states none does not vote."""
-    reference = reference_answer(answer)
+    reference = stated_answer(answer, answer.strip())
     if reference is None:
         return 0.0
-    numeric = parse_number(normalise(reference)) is not None
-    stated = [stated_answer(completion, numeric) for completion in completions]
+    stated = [stated_answer(completion, unstated(completion, reference)) for completion in completions]
     votes = {
         candidate: sum(same_answer(other, candidate) for other in stated if other) for candidate in stated if candidate
     }
