@@ -639,12 +639,9 @@ class Rollout(NamedTuple):
 
 @torch.no_grad()
 def generate(policy: Policy, prompts: list[list[int]], args: Args, generators=None, group_size: int = 1) -> Rollout:
-    """Complete the prompts (token id lists) with a KV cache: greedily without generators, else sampling.
-
-    The prompts come in groups of group_size copies, each group sampled with its generator: a prompt is encoded once
-    and its cache copied to its group. sampler_logp: the tokens' log-probs under softmax(logits / T), the distribution
-    before top-k and top-p.
-    """
+    """Complete the prompts (token id lists, in groups of group_size copies, each prompt encoded once for its group)
+    with a KV cache: greedily without generators, else sampled, a group by its generator. sampler_logp: the tokens'
+    log-probs under softmax(logits / T), before top-k and top-p."""
     from transformers import DynamicCache
 
     model = policy.model
@@ -672,11 +669,10 @@ def generate(policy: Policy, prompts: list[list[int]], args: Args, generators=No
         tokens = []
         logps = []
         for step in range(args.max_new_tokens):
+            scaled = logits.float() / args.temperature  # [B, V]
             if generators is None:
-                scaled = logits.float()
                 token = scaled.argmax(-1)
             else:
-                scaled = logits.float() / args.temperature
                 # Gumbel-max: argmax(logits + Gumbel noise) samples softmax(logits), a group's noise by its generator
                 group_shape = (batch_size // len(generators), scaled.shape[-1])
                 uniform = torch.cat([torch.rand(group_shape, generator=g, device=scaled.device) for g in generators])
@@ -717,12 +713,9 @@ def completion_logprobs(
     prompt_of_row: list[int] | None = None,
     vocab_size: int | None = None,
 ):
-    """Log-probs [B, T] (and entropies [B, T], or None) of the completion tokens under softmax(logits / T).
-
-    Prompt sharing, with prompt_of_row (each row's prompt, numbered from 0 in the order they first appear): rows that
-    share a prompt encode it once, and its keys and values are copied to each row before the completions run on them.
-    The log-probs and gradients are those of every row encoded whole; a prompt's compute is paid once, not per row.
-    """
+    """Log-probs [B, T] (and entropies [B, T], or None) of the completion tokens under softmax(logits / T). With
+    prompt_of_row (each row's prompt, numbered from 0 in order of first appearance), a prompt is encoded once and its
+    keys and values copied to its rows: the log-probs and gradients of every row encoded whole, at less compute."""
     from transformers import DynamicCache
 
     length = completion_ids.shape[1]
@@ -749,11 +742,10 @@ def completion_logprobs(
     ).logits[owner]  # [B, 1, V]: the prompt's last position predicts token 0
     if length > 1:
         cache.batch_select_indices(owner)  # [U, heads, P, d] -> [B, heads, P, d] in every layer; gradients flow back
-        positions = prompt_mask.sum(1, keepdim=True) + torch.arange(length - 1, device=prompt_ids.device)
         rest = model(
             input_ids=completion_ids[:, :-1],
             attention_mask=attention_mask,
-            position_ids=positions,
+            position_ids=prompt_mask.sum(1, keepdim=True) + torch.arange(length - 1, device=prompt_ids.device),
             cache=cache,
             use_cache=True,
         ).logits  # [B, T-1, V]
@@ -764,8 +756,7 @@ def completion_logprobs(
 def decode_completions(policy: Policy, batch: Rollout) -> list[str]:
     """Each completion's text before the EOS that ended it, other special tokens kept (no hiding junk in them)."""
     completion_ids = batch.completion_ids.cpu()
-    ended = torch.isin(completion_ids, torch.tensor(policy.eos_ids)).any(1)
-    lengths = batch.completion_mask.sum(1).cpu() - ended.long()
+    lengths = (batch.completion_mask.cpu() * ~torch.isin(completion_ids, torch.tensor(policy.eos_ids))).sum(1)
     return policy.tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths.tolist())])
 
 
@@ -792,12 +783,8 @@ def micro_batches(batch: Rollout, rows: range, size: int, group_size: int, share
         prompt_width = max(prompt_lengths[part])
         prompt_cols = slice(-prompt_width, None)  # left-padded: the prompts end in the last column
         completion_cols = slice(0, max(completion_lengths[part]))
-        inputs = (
-            batch.prompt_ids[part, prompt_cols],
-            batch.prompt_mask[part, prompt_cols],
-            batch.completion_ids[part, completion_cols],
-            batch.completion_mask[part, completion_cols],
-        )
+        columns = (prompt_cols, prompt_cols, completion_cols, completion_cols)  # of Rollout's first four fields
+        inputs = tuple(tensor[part, cols] for tensor, cols in zip(batch, columns))
         prompt_of_row = [row // group_size - start // group_size for row in range(part.start, part.stop)]
         repeated_positions = (len(prompt_of_row) - len(set(prompt_of_row))) * prompt_width
         if not share or repeated_positions < SHARE_MIN_POSITIONS:
@@ -829,21 +816,6 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def draw_prompts(seed: int, positions: list[int], num_rows: int, device) -> tuple[list[int], list[torch.Generator]]:
-    """The training rows at these positions of the data stream, and a random generator to sample each one's group.
-
-    The stream visits the rows epoch after epoch, each epoch in an order seeded by (seed, epoch), and the generator of
-    position p is seeded by (seed, p): a resumed or multi-process run samples what one uninterrupted process does.
-    """
-    rows = []
-    generators = []
-    for position in positions:
-        epoch, index = divmod(position, num_rows)
-        rows.append(int(epoch_order(seed, epoch, num_rows)[index]))
-        generators.append(seeded_generator([seed, position], device))
-    return rows, generators
-
-
 class Round(NamedTuple):
     """Groups of completions and what they earned."""
 
@@ -854,11 +826,14 @@ class Round(NamedTuple):
     reward: torch.Tensor  # [B], their weighted sum
 
 
-def sample_round(policy: Policy, rows, prompts, positions: list[int], reward_fns, args: Args, timings: dict) -> Round:
-    """Steps 1 and 2 for the prompts at these positions of the data stream: group_size completions each, rewarded."""
+def sample_round(policy: Policy, rows, prompts, positions: range, reward_fns, args: Args, timings: dict) -> Round:
+    """Steps 1 and 2 for the prompts at these positions of the data stream: group_size completions each, rewarded. The
+    stream visits the rows in an order seeded by (seed, epoch) each epoch and samples position p's group by a generator
+    seeded by (seed, p): a resumed or multi-process run samples what one uninterrupted process does."""
     cuda = policy.device.type == "cuda"
     start = clock(cuda)
-    chosen, generators = draw_prompts(args.seed, positions, len(rows), policy.device)
+    chosen = [epoch_order(args.seed, position // len(rows), len(rows))[position % len(rows)] for position in positions]
+    generators = [seeded_generator([args.seed, position], policy.device) for position in positions]
     batch = generate(
         policy, [prompts[i] for i in chosen for _ in range(args.group_size)], args, generators, args.group_size
     )
@@ -883,58 +858,40 @@ def sample_step(policy: Policy, rows, prompts, reward_fns, data_position: int, a
     """Steps 1 and 2 of a training step: this process's groups of the --prompts-per-step at data_position in the data
     stream. With --dynamic-sampling, a group whose rewards are all equal (no signal) is dropped and more prompts
     sampled, in rounds all processes take together, --max-sampling-rounds at most; then groups without signal fill the
-    step. Returns the groups to train on and the sampling's counts."""
+    step. Returns the groups to train on (one Round, prompts padded on the left) and the sampling's counts."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     num_groups = args.prompts_per_step // world_size
-    max_rounds = 1
-    if args.dynamic_sampling:
-        max_rounds = args.max_sampling_rounds
+    max_rounds = args.max_sampling_rounds if args.dynamic_sampling else 1
     rounds = []
-    kept = []  # (round, group) of the groups to train on
-    dropped = 0
-    while True:
-        first = data_position + len(rounds) * args.prompts_per_step
-        positions = [first + i for i in range(rank, args.prompts_per_step, world_size)]
+    kept = []  # (round, group) of the groups with signal; of every group without --dynamic-sampling
+    for number in range(max_rounds):
+        first = data_position + number * args.prompts_per_step
+        positions = range(first + rank, first + args.prompts_per_step, world_size)
         rounds.append(sample_round(policy, rows, prompts, positions, reward_fns, args, timings))
         grouped = rounds[-1].reward.view(-1, args.group_size)
-        has_signal = grouped.amax(1) > grouped.amin(1)  # [groups]
-        for group in range(num_groups):
-            if args.dynamic_sampling and not has_signal[group]:
-                dropped += 1
-            elif len(kept) < num_groups:
-                kept.append((len(rounds) - 1, group))
-        if len(rounds) >= max_rounds or all_sum({"missing": num_groups - len(kept)}, policy.device)["missing"] == 0:
+        has_signal = (grouped.amax(1) > grouped.amin(1)).tolist()  # [groups]
+        kept += [(number, group) for group in range(num_groups) if has_signal[group] or not args.dynamic_sampling]
+        if number + 1 == max_rounds or all_sum({"short": len(kept) < num_groups}, policy.device)["short"] == 0:
             break
-    for group in range(num_groups):  # out of rounds: the last round's groups without signal fill the step
-        if len(kept) < num_groups and not has_signal[group]:
-            kept.append((len(rounds) - 1, group))
-            dropped -= 1
-    counts = {"sampling_rounds": len(rounds), "groups_dropped": dropped}
-    counts["prompts_consumed"] = len(rounds) * args.prompts_per_step
-    return take_groups(rounds, kept, args.group_size, policy.tokenizer.pad_token_id), counts
-
-
-def pad_to(tensor: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
-    """tensor [B, W] padded to [B, width], on the left or the right."""
-    if left:
-        return torch.nn.functional.pad(tensor, (width - tensor.shape[1], 0), value=value)
-    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)
-
-
-def take_groups(rounds: list[Round], kept: list[tuple[int, int]], group_size: int, pad_id: int) -> Round:
-    """The kept (round, group) groups as one Round, each tensor padded to the widest (prompts on the left)."""
-    parts = [(rounds[number], slice(group * group_size, (group + 1) * group_size)) for number, group in kept]
-    tensors = []
+    counts = {"sampling_rounds": len(rounds), "prompts_consumed": len(rounds) * args.prompts_per_step}
+    counts["groups_dropped"] = len(rounds) * num_groups - max(len(kept), num_groups)  # without signal, not filled in
+    # out of rounds: the last round's groups without signal fill the step
+    kept = (kept + [(number, group) for group in range(num_groups) if not has_signal[group]])[:num_groups]
+    if len(rounds) == 1:  # then every group of it is kept: nothing to merge
+        return rounds[0], counts
+    parts = [(rounds[number], slice(group * args.group_size, (group + 1) * args.group_size)) for number, group in kept]
+    pad_id = policy.tokenizer.pad_token_id
+    tensors = []  # each Rollout field of the kept groups, padded to the widest
     for field, fill in zip(Rollout._fields, (pad_id, 0, pad_id, 0, 0.0)):
-        pieces = [getattr(part.batch, field)[rows] for part, rows in parts]
-        width = max(piece.shape[1] for piece in pieces)
-        tensors.append(torch.cat([pad_to(piece, width, fill, left=field.startswith("prompt")) for piece in pieces]))
-    sample_rows = [row for part, rows in parts for row in part.rows[rows]]
-    completions = [text for part, rows in parts for text in part.completions[rows]]
-    rewards = {name: torch.cat([part.rewards[name][rows] for part, rows in parts]) for name in rounds[0].rewards}
-    reward = torch.cat([part.reward[rows] for part, rows in parts])
-    return Round(Rollout(*tensors), sample_rows, completions, rewards, reward)
+        pieces = [row for part, span in parts for row in getattr(part.batch, field)[span]]  # [width] each
+        side = "left" if field.startswith("prompt") else "right"
+        tensors.append(torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True, padding_value=fill, padding_side=side))
+    sample_rows = [row for part, span in parts for row in part.rows[span]]
+    completions = [text for part, span in parts for text in part.completions[span]]
+    rewards = {name: torch.cat([part.rewards[name][span] for part, span in parts]) for name in rounds[0].rewards}
+    reward = torch.cat([part.reward[span] for part, span in parts])
+    return Round(Rollout(*tensors), sample_rows, completions, rewards, reward), counts
 
 
 def majority_right(completions: list[str], answer: str) -> float:
@@ -944,22 +901,18 @@ def majority_right(completions: list[str], answer: str) -> float:
     if reference is None:
         return 0.0
     stated = [stated_answer(completion, unstated(completion, reference)) for completion in completions]
-    votes = {
-        candidate: sum(same_answer(other, candidate) for other in stated if other) for candidate in stated if candidate
-    }
+    votes = [answer for answer in stated if answer]
     if not votes:
         return 0.0
-    return float(same_answer(max(votes, key=votes.get), reference))
+    winner = max(dict.fromkeys(votes), key=lambda candidate: sum(same_answer(vote, candidate) for vote in votes))
+    return float(same_answer(winner, reference))
 
 
 @torch.no_grad()
 def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> dict:
     """Held-out metrics, every process evaluating every prompt; the first prompt's completion is printed as a sample.
-
-    --eval-num-samples 1: greedy accuracy (the answer reward). k > 1: k completions a prompt at --temperature, drawn
-    from a generator seeded by (seed, prompt), the same at every evaluation: pass@1 (their accuracy), pass@k (one of
-    them is right), maj@k (majority_right) and, with --prm-path, prm@k (the one the PRM ranks first is right).
-    """
+    --eval-num-samples 1: greedy accuracy. k > 1: k completions a prompt at --temperature, seeded by (seed, prompt) at
+    every evaluation: pass@1, pass@k (one is right), maj@k and, with --prm-path, prm@k (the PRM's pick is right)."""
     if not rows:
         return {"eval_accuracy": math.nan}
     k = args.eval_num_samples
