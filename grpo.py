@@ -942,8 +942,7 @@ def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> dict:
 
 # ---- Schedule, metrics, processes, checkpoints and flag checks
 def get_lr(step: int, args: Args) -> float:
-    """The learning rate of step `step` (from 0), as nanoGPT's get_lr: a linear warm-up, then constant or a cosine
-    decay to 0 at --total-steps."""
+    """The learning rate of step `step` (from 0), as nanoGPT's: linear warm-up, then constant or cosine decay to 0."""
     if step < args.warmup_steps:
         return args.learning_rate * (step + 1) / args.warmup_steps
     if args.lr_schedule == "constant":
@@ -954,7 +953,6 @@ def get_lr(step: int, args: Args) -> float:
 
 # dense bf16 TFLOP/s by GPU name, for MFU (the more specific names first)
 PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121}
-PHASES = ("generation", "reward", "reference", "update")  # of a step, timed apart
 CONSOLE = {
     "reward": "reward",
     "accuracy": "acc",
@@ -986,25 +984,18 @@ def clock(cuda: bool) -> float:
 
 
 def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: Args, is_main: bool) -> None:
-    """Warn once about each problem that keeps a run from learning, when STUCK_STEPS steps in a row show it.
-    streaks: {problem: the steps in a row that showed it}; "warned": the problems warned about already."""
+    """Warn once about a problem that keeps a run from learning when STUCK_STEPS steps in a row (streaks) show it."""
+    cut = metrics["truncated_frac"] > 0.5 and truncated_correct == 0
+    flat = metrics["frac_zero_std_groups"] == 1.0
     problems = {
-        f"most completions were cut at --max-new-tokens {args.max_new_tokens}, none with a right answer: raise it": (
-            metrics["truncated_frac"] > 0.5 and truncated_correct == 0
-        ),
-        "every group's completions got equal rewards: zero advantages, nothing to learn (see completions.jsonl)": (
-            metrics["frac_zero_std_groups"] == 1.0
-        ),
+        f"most completions were cut at --max-new-tokens {args.max_new_tokens}, none with a right answer: raise it": cut,
+        "every group's completions got equal rewards: zero advantages, nothing to learn (see completions.jsonl)": flat,
     }
-    warned = streaks.setdefault("warned", set())
     for message, happening in problems.items():
-        if happening:
-            streaks[message] = streaks.get(message, 0) + 1
-        else:
-            streaks[message] = 0
-        if streaks[message] == STUCK_STEPS and message not in warned:
-            print0(f"warning: {STUCK_STEPS} steps in a row: {message}", file=sys.stderr, enabled=is_main)
-            warned.add(message)
+        if streaks.get(message, 0) < STUCK_STEPS:  # a streak that reached it stays: no second warning
+            streaks[message] = streaks.get(message, 0) + 1 if happening else 0
+            if streaks[message] == STUCK_STEPS:
+                print0(f"warning: {STUCK_STEPS} steps in a row: {message}", file=sys.stderr, enabled=is_main)
 
 
 def completion_rows(sampled: Round, advantages: torch.Tensor, group_size: int) -> list[dict]:
@@ -1021,44 +1012,36 @@ def completion_rows(sampled: Round, advantages: torch.Tensor, group_size: int) -
 
 
 def update_stats(logged: list[dict], num_minibatches: int, device) -> dict:
-    """The last pass's statistics over every micro-batch and process: token-weighted means, and the loss (each
-    micro-batch's is its share of its minibatch's loss) summed, then averaged over the minibatches."""
-    sums = {"loss": 0.0, "tokens": 0.0}
+    """The last pass's statistics over every micro-batch and process: token-weighted means, the loss per minibatch."""
+    sums = {"loss": 0.0}
     for stats in logged:
-        tokens = stats.pop("tokens")
-        sums["loss"] += stats.pop("loss")
-        sums["tokens"] += tokens
         for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + value * tokens
+            weight = 1 if key in ("loss", "tokens") else stats["tokens"]  # a loss is its share of its minibatch's
+            sums[key] = sums.get(key, 0.0) + value * weight
     sums = all_sum(sums, device)
-    tokens = max(sums.pop("tokens"), 1.0)
-    means = {"loss": sums.pop("loss") / num_minibatches}
-    for key, value in sums.items():
-        means[key] = value / tokens
+    means = {key: value / max(sums["tokens"], 1.0) for key, value in sums.items() if key != "tokens"}
+    means["loss"] = sums["loss"] / num_minibatches
     return means
 
 
 def benchmark_summary(history: list[dict], cuda: bool) -> dict:
     """Time per step and per phase, generated and trained tokens/s, peak memory and MFU of a run's steps."""
-    timed = history[1:] or history  # the first step warms up: it is left out of the means and rates
-    totals = {}
-    for key in ("step_time_s", "generated_tokens", "generation_time_s", "trained_tokens", "update_time_s", "mfu"):
-        totals[key] = sum(float(metrics.get(key, math.nan)) for metrics in timed) if timed else math.nan
-    summary = {"step_time_s_mean": totals["step_time_s"] / max(len(timed), 1)}
-    for phase in PHASES:
+    timed = history[1:] or history or [{}]  # the first step warms up, left out of the means and rates; no step: nan
+    keys = ("step_time_s", "generated_tokens", "generation_time_s", "trained_tokens", "update_time_s", "mfu")
+    totals = {key: sum(metrics.get(key, math.nan) for metrics in timed) for key in keys}
+    summary = {"step_time_s_mean": totals["step_time_s"] / len(timed)}
+    for phase in ("generation", "reward", "reference", "update"):
         summary[f"{phase}_time_s"] = sum(metrics[f"{phase}_time_s"] for metrics in history)
     summary["generated_tokens_per_s"] = totals["generated_tokens"] / totals["generation_time_s"]
     summary["trained_tokens_per_s"] = totals["trained_tokens"] / totals["update_time_s"]
+    summary["peak_memory_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     if cuda:
         summary["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        summary["peak_memory_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    summary["mfu"] = totals["mfu"] / max(len(timed), 1)
+    summary["mfu"] = totals["mfu"] / len(timed)
     return summary
 
 
-# the flags a resumed run may change; every other flag defines the run and must be its checkpoint's
-MAY_CHANGE_ON_RESUME = (
+MAY_CHANGE_ON_RESUME = (  # flags a resume may change: the others define the run and must be its checkpoint's
     "total_steps eval_every eval_batch_size num_eval_rows eval_data_path eval_num_samples log_completions_every"
     " save_every keep_checkpoints resume_from output_dir overwrite track wandb_project_name micro_batch_size"
     " gradient_checkpointing"
@@ -1066,15 +1049,13 @@ MAY_CHANGE_ON_RESUME = (
 
 
 def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: dict | None = None) -> None:
-    """Model or adapter, tokenizer, args and, given a state, trainer_state.pt, written to path.tmp then renamed (a kill
-    leaves no half checkpoint). Every process calls it, for FSDP to gather the shards; rank 0 writes."""
+    """Model or adapter, tokenizer, args and any trainer state, to path; every process calls it, rank 0 writes."""
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, from FSDP's shards too
     all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     tied = all_names - set(dict(model.named_parameters()))  # saved once, under their first name
     weights = {name: w for name, w in dcp.get_model_state_dict(model, options=options).items() if name not in tied}
-    optimizer_state = None
-    if optimizer is not None:
-        optimizer_state = dcp.get_optimizer_state_dict(model, optimizer, options=options)
+    if state is not None:
+        state = {**state, "optimizer": dcp.get_optimizer_state_dict(model, optimizer, options=options)}
     if int(os.environ.get("RANK", 0)) != 0:
         return
     temporary = path + ".tmp"
@@ -1084,21 +1065,19 @@ def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: dic
     with open(os.path.join(temporary, "args.json"), "w") as f:
         json.dump(asdict(args), f, indent=2)
     if state is not None:
-        torch.save({**state, "optimizer": optimizer_state}, os.path.join(temporary, "trainer_state.pt"))
+        torch.save(state, os.path.join(temporary, "trainer_state.pt"))
     shutil.rmtree(path, ignore_errors=True)
-    os.replace(temporary, path)
+    os.replace(temporary, path)  # only now: a kill leaves no half checkpoint
 
 
 def checkpoint_steps(output_dir: str) -> list[int]:
     """The steps of output_dir's checkpoints, oldest first (not checkpoint-STEP.tmp: a save cut short)."""
-    if not os.path.isdir(output_dir):
-        return []
-    return sorted(int(name[11:]) for name in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", name))
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted(int(name[11:]) for name in names if re.fullmatch(r"checkpoint-\d+", name))
 
 
 def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None]:
-    """(output directory, checkpoint to resume from or None, the summary of a resumed run that is already finished).
-    A directory holds a run when it holds a checkpoint or a final model: what a crash leaves (logs) is no run."""
+    """(output directory, checkpoint to resume or None, a finished run's summary); a crash's logs alone are no run."""
     output_dir = args.output_dir
     if output_dir is None:
         stamp = torch.tensor([time.time()], dtype=torch.float64, device=device)
@@ -1106,10 +1085,9 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
             dist.broadcast(stamp, src=0)
         output_dir = os.path.join("runs", f"grpo__{args.seed}__{int(stamp.item())}")
     steps = checkpoint_steps(output_dir)
+    if args.resume_from is None and (steps or os.path.isdir(os.path.join(output_dir, "final"))) and not args.overwrite:
+        raise UserError(f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it")
     if args.resume_from is None:
-        if (steps or os.path.isdir(os.path.join(output_dir, "final"))) and not args.overwrite:
-            message = f"{output_dir} already holds a run: --resume-from latest continues it, --overwrite replaces it"
-            raise UserError(f"{message}, or pass another --output-dir")
         return output_dir, None, None
     resume = args.resume_from
     if resume == "latest" and steps:
@@ -1119,36 +1097,31 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
             raise UserError(f"--resume-from {resume}: not a checkpoint of grpo.py")
         with open(os.path.join(resume, "args.json")) as f:
             saved = json.load(f)
-        differ = []
-        for key, value in asdict(args).items():
-            if key not in MAY_CHANGE_ON_RESUME and saved[key] != value:
-                differ.append(f"--{key.replace('_', '-')} {saved[key]!r} there, {value!r} here")
+        here = asdict(args)
+        differ = [key for key in here if key not in MAY_CHANGE_ON_RESUME and saved[key] != here[key]]
         if differ:
-            raise UserError(f"--resume-from {resume}: the checkpoint's run differs ({'; '.join(differ)})")
+            changes = "; ".join(f"--{key.replace('_', '-')} {saved[key]!r} there, {here[key]!r} here" for key in differ)
+            raise UserError(f"--resume-from {resume}: the checkpoint's run differs ({changes})")
     summary_path = os.path.join(output_dir, "summary.json")
     if os.path.isfile(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
         if summary["steps"] >= args.total_steps:
-            message = (
-                f"the run finished at step {summary['steps']} (with a checkpoint, a larger --total-steps extends it)"
-            )
-            print0(f"{output_dir}: {message}", enabled=int(os.environ.get("RANK", 0)) == 0)
+            message = f"{output_dir}: the run finished at step {summary['steps']} (with a checkpoint, a larger"
+            print0(f"{message} --total-steps extends it)", enabled=int(os.environ.get("RANK", 0)) == 0)
             return output_dir, None, summary
     if resume == "latest":
-        message = f"--resume-from latest: {output_dir} holds no checkpoint (a run writes them with --save-every N"
-        raise UserError(f"{message}, and when stopped by a signal); --overwrite starts it anew")
+        message = f"--resume-from latest: {output_dir} holds no checkpoint (--save-every N writes them)"
+        raise UserError(f"{message}; --overwrite starts it anew")
     return output_dir, resume, None
 
 
 def remove_earlier_run(output_dir: str) -> None:
     """What an earlier run, or a crash, left in output_dir: its final model, checkpoints and logs."""
-    names = ["final", "summary.json", "metrics.jsonl", "completions.jsonl"]
-    names += [f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]
-    for path in [os.path.join(output_dir, name) for name in names]:
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        if os.path.isfile(path):
+    for name in ["final", *[f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]]:
+        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    for path in [os.path.join(output_dir, name) for name in ("summary.json", "completions.jsonl")]:
+        if os.path.isfile(path):  # (RunLogger starts metrics.jsonl anew)
             os.remove(path)
 
 
@@ -1158,12 +1131,11 @@ def restore(path: str, output_dir: str, model, optimizer, args: Args) -> dict:
     options = dcp.StateDictOptions(full_state_dict=args.fsdp)  # FSDP: each shard takes its part
     dcp.set_optimizer_state_dict(model, optimizer, state.pop("optimizer"), options=options)  # (not kept twice)
     torch.set_rng_state(state["rng"])
-    for name in ("metrics.jsonl", "completions.jsonl"):  # rows after the checkpoint's step: of steps to be redone
-        path = os.path.join(output_dir, name)
-        if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(path):
-            with open(path) as f:
+    for log_path in [os.path.join(output_dir, name) for name in ("metrics.jsonl", "completions.jsonl")]:
+        if int(os.environ.get("RANK", 0)) == 0 and os.path.isfile(log_path):
+            with open(log_path) as f:
                 kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
-            with open(path, "w") as f:
+            with open(log_path, "w") as f:
                 f.writelines(kept)
     return state
 
@@ -1185,8 +1157,7 @@ def check_args(args: Args, world_size: int) -> None:
         raise UserError(f"{message} times --num-minibatches {args.num_minibatches}")
     minibatch_rows = args.prompts_per_step // world_size * args.group_size // args.num_minibatches
     if args.micro_batch_size and minibatch_rows % args.micro_batch_size != 0:
-        message = f"--micro-batch-size {args.micro_batch_size} must divide the {minibatch_rows} completions"
-        raise UserError(f"{message} of a process's minibatch")
+        raise UserError(f"--micro-batch-size {args.micro_batch_size} must divide the {minibatch_rows}-row minibatch")
     if args.fsdp and "WORLD_SIZE" not in os.environ:
         raise UserError("--fsdp needs a launch by torchrun")
 
@@ -1502,11 +1473,10 @@ def main() -> None:
     except KeyboardInterrupt:  # before training starts (then a signal ends the step and saves): nothing to save yet
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as error:  # a UserError of this file or of prm.py (the PRM reward)
+    except Exception as error:  # a UserError of this file or of prm.py; under torchrun every process meets it
         if type(error).__name__ != "UserError":
             raise
-        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every process meets the error: one message
-            print(f"error: {error}", file=sys.stderr)
+        print0(f"error: {error}", file=sys.stderr, enabled=int(os.environ.get("RANK", 0)) == 0)
         sys.exit(2)
     if summary["stop_signal"]:  # checkpointed, not finished: a scheduler must not take it for done
         sys.exit(128 + signal.Signals[summary["stop_signal"]])
