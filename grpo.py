@@ -87,8 +87,6 @@ class Args:
     clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO uses 0.28)
     delta: float | None = None  # upper bound on the unclipped ratio (INTELLECT-2's two-sided clipping); None = off
     mask_truncated_completions: bool = False  # leave completions cut at --max-new-tokens out of the loss (DAPO)
-    rollout_correction: Literal["none", "token-tis", "sequence-mask"] = "none"  # sampler/trainer mismatch correction
-    rollout_correction_cap: float = 2.0  # token-tis: the weight's cap; sequence-mask: the ratio's range [1/cap, cap]
     # Optimisation
     learning_rate: float = 3e-4  # AdamW learning rate (about 1e-6 for full fine-tuning of real models, 1e-5 for LoRA)
     warmup_steps: int = 0  # linear learning-rate warm-up over this many steps
@@ -162,11 +160,10 @@ def grpo_loss(
     total_sequences: int | None = None,
     total_tokens: float | None = None,
     policy_loss: str = "ppo",
-    rollout_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """PPO's clipped surrogate plus a KL penalty per completion token, aggregated over the batch by loss_type.
 
-    logp, old_logp, ref_logp, mask (1 on completion tokens), rollout_weights (on the pg term): [B, T]; advantages: [B].
+    logp, old_logp, ref_logp, mask: [B, T], mask 1 on completion tokens (EOS included); advantages: [B].
     Per token, with r = exp(logp - old_logp): l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + kl_coef KL. GSPO's
     importance_sampling "sequence" gives a row one r, delta caps r (INTELLECT-2), "cispo" is MiniMax-M1's policy term.
     With N sequences, M tokens in the batch (total_*, when this call sees a part, so that the parts' losses sum to it):
@@ -194,8 +191,6 @@ def grpo_loss(
         pg_loss = -clipped.detach() * adv * torch.where(in_loss, logp, 0.0)  # [B, T]
     else:
         raise ValueError(f"policy_loss must be ppo or cispo, got {policy_loss!r}")
-    if rollout_weights is not None:
-        pg_loss = pg_loss * rollout_weights
     token_loss = pg_loss
     kl = None
     if kl_coef != 0.0:
@@ -214,8 +209,14 @@ def grpo_loss(
         loss = row_sums.sum() / (num_sequences * max_completion_length)
     else:
         raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
-    with torch.no_grad():
-        clip_low, clip_high = clipped_tokens(ratio, adv, clip_eps_low, clip_eps_high, delta, policy_loss)
+    with torch.no_grad():  # the tokens the clip acts on: for PPO, those whose gradient it stops; for CISPO, all it caps
+        clip_low = ratio < 1.0 - clip_eps_low
+        clip_high = ratio > 1.0 + clip_eps_high
+        if policy_loss == "ppo":
+            clip_low = clip_low & (adv < 0)
+            clip_high = clip_high & (adv > 0)
+        if policy_loss == "ppo" and delta is not None:
+            clip_high = clip_high | ((adv < 0) & (ratio > delta))
         per_token = {"ratio_mean": ratio, "clip_frac_low": clip_low, "clip_frac_high": clip_high, "pg_loss": pg_loss}
         if kl is not None:
             per_token["kl_mean"] = kl
@@ -223,34 +224,6 @@ def grpo_loss(
         stats = {name: (value * mask).sum() / tokens.clamp(min=1.0) for name, value in per_token.items()}
         stats["tokens"] = tokens
     return loss, stats
-
-
-def clipped_tokens(ratio, adv, clip_eps_low, clip_eps_high, delta, policy_loss) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens the clip acts on, below 1 - eps_low and above 1 + eps_high: for PPO, those whose gradient it stops
-    (A < 0 below, A > 0 above, A < 0 beyond delta); for CISPO, every token whose weight it caps."""
-    low = ratio < 1.0 - clip_eps_low
-    high = ratio > 1.0 + clip_eps_high
-    if policy_loss == "cispo":
-        return low, high
-    if delta is not None:
-        return (adv < 0) & low, ((adv > 0) & high) | ((adv < 0) & (ratio > delta))
-    return (adv < 0) & low, (adv > 0) & high
-
-
-def rollout_correction(old_logp, sampler_logp, mask, mode: str, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights [B, T] of the policy term for the sampler's log-probs differing from the trainer's on the same weights
-    (https://fengyao.notion.site/off-policy-rl), and the tokens they change [B, T]. token-tis: pi_old / pi_sampler,
-    capped at cap, detached; sequence-mask: 0 for a completion whose geometric-mean ratio is outside [1/cap, cap]."""
-    in_loss = mask.bool()
-    log_ratio = torch.where(in_loss, old_logp - sampler_logp, 0.0).detach()  # [B, T]
-    if mode == "token-tis":
-        ratio = log_ratio.exp()
-        return ratio.clamp(max=cap), in_loss & (ratio > cap)
-    if mode == "sequence-mask":
-        mean_log_ratio = log_ratio.sum(1, keepdim=True) / in_loss.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
-        outside = mean_log_ratio.abs() > math.log(cap)  # [B, 1]
-        return (~outside).to(old_logp.dtype).expand_as(old_logp), in_loss & outside
-    raise ValueError(f"mode must be token-tis or sequence-mask, got {mode!r}")
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -901,7 +874,7 @@ def majority_right(completions: list[str], answer: str) -> float:
     if reference is None:
         return 0.0
     stated = [stated_answer(completion, unstated(completion, reference)) for completion in completions]
-    votes = [answer for answer in stated if answer]
+    votes = [vote for vote in stated if vote]
     if not votes:
         return 0.0
     winner = max(dict.fromkeys(votes), key=lambda candidate: sum(same_answer(vote, candidate) for vote in votes))
@@ -1051,9 +1024,7 @@ MAY_CHANGE_ON_RESUME = (  # flags a resume may change: the others define the run
 def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: dict | None = None) -> None:
     """Model or adapter, tokenizer, args and any trainer state, to path; every process calls it, rank 0 writes."""
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, from FSDP's shards too
-    all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    tied = all_names - set(dict(model.named_parameters()))  # saved once, under their first name
-    weights = {name: w for name, w in dcp.get_model_state_dict(model, options=options).items() if name not in tied}
+    weights = dcp.get_model_state_dict(model, options=options)  # (save_pretrained saves tied weights once)
     if state is not None:
         state = {**state, "optimizer": dcp.get_optimizer_state_dict(model, optimizer, options=options)}
     if int(os.environ.get("RANK", 0)) != 0:
@@ -1324,12 +1295,6 @@ def train(args: Args) -> dict:
                         if iteration == 0 and j == 0:  # the policy has not moved yet: these are the old log-probs
                             old_logp[part, cols] = logp.detach()
                         mask = loss_mask[part, cols]
-                        weights = None
-                        if args.rollout_correction != "none":
-                            correction = (args.rollout_correction, args.rollout_correction_cap)
-                            weights, touched = rollout_correction(
-                                old_logp[part, cols], batch.sampler_logp[part, cols], mask, *correction
-                            )
                         loss, stats = grpo_loss(
                             logp,
                             old_logp[part, cols],
@@ -1348,14 +1313,11 @@ def train(args: Args) -> dict:
                             total_sequences=minibatch_rows * world_size,
                             total_tokens=minibatch_tokens[j],
                             policy_loss=surrogate,
-                            rollout_weights=weights,
                         )
                         loss.backward()
                         if last_pass:
                             stats["loss"] = loss.detach()
                             stats["entropy"] = (entropy * mask).sum() / stats["tokens"].clamp(min=1.0)
-                            if weights is not None:  # the share of tokens the correction changes
-                                stats["rollout_correction_frac"] = touched.sum() / stats["tokens"].clamp(min=1.0)
                             logged.append(stats)
                     if distributed and not args.fsdp:  # each process's loss is its share: the gradients are summed
                         for p in trainable:
@@ -1399,10 +1361,9 @@ def train(args: Args) -> dict:
             metrics["completion_length"] = counts["generated"] / scores.shape[1]
             metrics["truncated_frac"] = counts["truncated"] / scores.shape[1]
             metrics["logp_gap_mean"] = counts["gap"] / counts["generated"]  # the sampler's against the trainer's
-            if args.dynamic_sampling:
-                metrics["sampling_rounds"] = sampling_counts["sampling_rounds"]
-                metrics["groups_dropped"] = counts["groups_dropped"]
-                metrics["prompts_consumed"] = sampling_counts["prompts_consumed"]
+            metrics["sampling_rounds"] = sampling_counts["sampling_rounds"]  # more than 1 with --dynamic-sampling
+            metrics["groups_dropped"] = counts["groups_dropped"]
+            metrics["prompts_consumed"] = sampling_counts["prompts_consumed"]
             metrics["generated_tokens"] = counts["generated"]
             metrics["trained_tokens"] = sum(minibatch_tokens.values()) * args.num_iterations
             metrics["generation_time_s"] = timings["generation"]
@@ -1449,10 +1410,8 @@ def train(args: Args) -> dict:
     summary = {"steps": start_step + len(history), "interrupted": stopped}
     summary["total_time_s"] = time.perf_counter() - run_start
     summary.update(benchmark_summary(history, cuda))
-    for key, value in eval_start.items():
-        summary[f"{key}_start"] = value
-    for key, value in eval_end.items():
-        summary[f"{key}_end"] = value
+    summary.update({f"{key}_start": value for key, value in eval_start.items()})
+    summary.update({f"{key}_end": value for key, value in eval_end.items()})
     summary["skipped_updates"] = skipped_updates
     summary["resumed_from_step"] = start_step
     summary["stop_signal"] = None

@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -34,19 +35,12 @@ def timed(fn, reps: int, *fn_args) -> float:
 
 def ours(model, prompts, mask, args) -> None:
     """grpo.py's sampler: each prompt encoded once, its KV cache copied to its group."""
-    repeated = prompts.repeat_interleave(args.group, 0)
-    repeated_mask = mask.repeat_interleave(args.group, 0)
+    pad = SimpleNamespace(pad_token_id=0)  # generate reads only the pad id of the tokenizer
+    policy = grpo.Policy(model, pad, eos_ids=[-1], vocab_size=None, device=torch.device("cpu"), bf16=False)
+    repeated = [row for row in prompts.tolist() for _ in range(args.group)]
     generators = [torch.Generator().manual_seed(i) for i in range(args.prompts)]
-    out, _, _ = grpo.generate(
-        model,
-        repeated,
-        repeated_mask,
-        max_new_tokens=args.new_tokens,
-        eos_ids=[-1],
-        pad_id=0,
-        generators=generators,
-        group_size=args.group,
-    )
+    sampling = grpo.Args(max_new_tokens=args.new_tokens)
+    out = grpo.generate(policy, repeated, sampling, generators, args.group).completion_ids
     assert out.shape[1] == args.new_tokens
 
 

@@ -20,7 +20,6 @@ from grpo import (
     left_pad,
     load_model,
     overlong_penalty,
-    rollout_correction,
     token_logprobs,
 )
 
@@ -521,9 +520,8 @@ def test_low_precision_inputs_and_mask_dtypes():
         lambda z: grpo_loss(*z, kl_coef=0.1),  # KL without ref_logp
         lambda z: grpo_loss(*z, loss_type="dr_grpo"),  # without max_completion_length
         lambda z: grpo_loss(*z, policy_loss="reinforce"),
-        lambda z: rollout_correction(z[0], z[0], z[4], "token-mis", 2.0),
     ],
-    ids=["scale", "estimator", "loss_type", "importance_sampling", "no_ref", "no_max_len", "policy", "correction"],
+    ids=["scale", "estimator", "loss_type", "importance_sampling", "no_ref", "no_max_len", "policy"],
 )
 def test_unknown_choices_raise(call):
     logp = torch.zeros(2, 2)
@@ -532,7 +530,7 @@ def test_unknown_choices_raise(call):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# CISPO, rollout correction, overlong penalty
+# CISPO, overlong penalty
 
 
 def test_cispo_is_its_formula_and_keeps_the_gradient_ppo_clips():
@@ -548,30 +546,6 @@ def test_cispo_is_its_formula_and_keeps_the_gradient_ppo_clips():
     stopped = (mask > 0) & (((adv[:, None] > 0) & (r > 1 + EPS_HIGH)) | ((adv[:, None] < 0) & (r < 1 - EPS_LOW)))
     assert stopped.any() and (ppo_grad[stopped] == 0).all() and (grad[stopped] != 0).all()
     assert stats["clip_frac_high"].item() == pytest.approx(((r > 1 + EPS_HIGH) & (mask > 0)).sum().item() / mask.sum())
-
-
-def test_rollout_weights_scale_the_policy_term_only():
-    batch = make_batch(seed=43)
-    kwargs = dict(kl_coef=0.1, loss_type="dapo", clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH)
-    plain, plain_stats, _ = run_loss(batch, **kwargs)
-    doubled, doubled_stats, _ = run_loss(batch, rollout_weights=torch.full_like(batch[0], 2.0), **kwargs)
-    kl_part = 0.1 * plain_stats["kl_mean"]
-    assert doubled.item() == pytest.approx(2 * (plain.item() - kl_part.item()) + kl_part.item(), rel=1e-9)
-    assert doubled_stats["kl_mean"] == plain_stats["kl_mean"]
-
-
-def test_rollout_correction_hand_values():
-    old = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    sampler = -torch.tensor([[0.1, 1.0, 5.0], [1.0, 1.0, 0.0], [-0.2, 0.1, 3.0]])  # log(pi_old / pi_sampler) = -this
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]])
-    weights, touched = rollout_correction(old, sampler, mask, "token-tis", 2.0)
-    expected = torch.tensor([[math.exp(0.1), 2.0, 2.0], [2.0, 2.0, 1.0], [math.exp(-0.2), math.exp(0.1), 1.0]])
-    torch.testing.assert_close(weights, expected)
-    assert touched.tolist() == [[False, True, True], [True, True, False], [False, False, False]]
-    weights, touched = rollout_correction(old, sampler, mask, "sequence-mask", 2.0)
-    # row means of the log-ratio: 2.03, 1.0, -0.05; log 2 = 0.69: rows 0 and 1 are out
-    assert weights.tolist() == [[0.0] * 3, [0.0] * 3, [1.0] * 3]
-    assert touched.tolist() == [[True] * 3, [True, True, False], [False] * 3]
 
 
 def test_overlong_penalty_hand_values():
