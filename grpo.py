@@ -745,7 +745,7 @@ class MicroBatch(NamedTuple):
 SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to share its prompts (2.5x on long prompts)
 
 
-def micro_batches(batch: Rollout, rows: range, size: int, group_size: int, share: bool) -> list[MicroBatch]:
+def micro_batches(batch: Rollout, rows: slice, size: int, group_size: int, share: bool) -> list[MicroBatch]:
     """A minibatch's rows cut into micro-batches of `size` rows. share: rows that repeat a prompt encode it once, where
     that skips at least SHARE_MIN_POSITIONS prompt positions."""
     prompt_lengths = batch.prompt_mask.sum(1).tolist()
@@ -807,9 +807,8 @@ def sample_round(policy: Policy, rows, prompts, positions: range, reward_fns, ar
     start = clock(cuda)
     chosen = [epoch_order(args.seed, position // len(rows), len(rows))[position % len(rows)] for position in positions]
     generators = [seeded_generator([args.seed, position], policy.device) for position in positions]
-    batch = generate(
-        policy, [prompts[i] for i in chosen for _ in range(args.group_size)], args, generators, args.group_size
-    )
+    group_prompts = [prompts[i] for i in chosen for _ in range(args.group_size)]
+    batch = generate(policy, group_prompts, args, generators, args.group_size)
     generated = clock(cuda)
     completions = decode_completions(policy, batch)  # rewards judge the text before EOS
     sample_rows = [rows[i] for i in chosen for _ in range(args.group_size)]
@@ -1024,7 +1023,9 @@ MAY_CHANGE_ON_RESUME = (  # flags a resume may change: the others define the run
 def save_run(path: str, model, tokenizer, args: Args, optimizer=None, state: dict | None = None) -> None:
     """Model or adapter, tokenizer, args and any trainer state, to path; every process calls it, rank 0 writes."""
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, from FSDP's shards too
-    weights = dcp.get_model_state_dict(model, options=options)  # (save_pretrained saves tied weights once)
+    all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied = all_names - set(dict(model.named_parameters()))  # saved once, under their first name, with FSDP too
+    weights = {name: w for name, w in dcp.get_model_state_dict(model, options=options).items() if name not in tied}
     if state is not None:
         state = {**state, "optimizer": dcp.get_optimizer_state_dict(model, optimizer, options=options)}
     if int(os.environ.get("RANK", 0)) != 0:
@@ -1199,7 +1200,7 @@ def train(args: Args) -> dict:
     print0(f"{message} process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out", enabled=is_main)
     local_rows = args.prompts_per_step // world_size * args.group_size  # B: this process's completions per step
     minibatch_rows = local_rows // args.num_minibatches
-    minibatches = [range(j * minibatch_rows, (j + 1) * minibatch_rows) for j in range(args.num_minibatches)]
+    minibatches = [slice(j * minibatch_rows, (j + 1) * minibatch_rows) for j in range(args.num_minibatches)]
     micro_batch_size = args.micro_batch_size or minibatch_rows
     share_prompts = not (args.gradient_checkpointing or args.fsdp)  # both need one forward pass per micro-batch
     importance_sampling = "sequence" if args.policy_loss == "gspo" else "token"  # GSPO: PPO, a ratio per completion
@@ -1231,10 +1232,8 @@ def train(args: Args) -> dict:
             step_start = clock(cuda)
             # 1. rollout and 2. rewards (see sample_step)
             timings = {"generation": 0.0, "reward": 0.0}
-            sampled, sampling_counts = sample_step(
-                policy, train_rows, train_prompts, reward_fns, data_position, args, timings
-            )
-            data_position += sampling_counts["prompts_consumed"]
+            sampled, sampling = sample_step(policy, train_rows, train_prompts, reward_fns, data_position, args, timings)
+            data_position += sampling["prompts_consumed"]
             batch = sampled.batch
             rewarded_at = clock(cuda)
 
@@ -1272,9 +1271,7 @@ def train(args: Args) -> dict:
             # minibatches); a minibatch's micro-batches accumulate their gradients
             for param_group in optimizer.param_groups:
                 param_group["lr"] = get_lr(step, args)
-            minibatch_tokens = all_sum(
-                {j: loss_mask[mb.start : mb.stop].sum() for j, mb in enumerate(minibatches)}, device
-            )
+            minibatch_tokens = all_sum({j: loss_mask[mb].sum() for j, mb in enumerate(minibatches)}, device)
             grad_norms = []
             logged = []  # the last pass's statistics, one dict per micro-batch
             for iteration in range(args.num_iterations):
@@ -1354,16 +1351,16 @@ def train(args: Args) -> dict:
                 "truncated_correct": (truncated.cpu() & (sampled.rewards["answer"] > 0)).sum(),
                 "prompt_tokens": batch.prompt_mask.sum(),
                 "gap": ((old_logp - batch.sampler_logp).abs() * batch.completion_mask).sum(),  # same weights, tokens
-                "groups_dropped": sampling_counts["groups_dropped"],
+                "groups_dropped": sampling["groups_dropped"],
                 "stop": len(stop_signals),
             }
             counts = all_sum(counts, device)
             metrics["completion_length"] = counts["generated"] / scores.shape[1]
             metrics["truncated_frac"] = counts["truncated"] / scores.shape[1]
             metrics["logp_gap_mean"] = counts["gap"] / counts["generated"]  # the sampler's against the trainer's
-            metrics["sampling_rounds"] = sampling_counts["sampling_rounds"]  # more than 1 with --dynamic-sampling
+            metrics["sampling_rounds"] = sampling["sampling_rounds"]  # more than 1 with --dynamic-sampling
             metrics["groups_dropped"] = counts["groups_dropped"]
-            metrics["prompts_consumed"] = sampling_counts["prompts_consumed"]
+            metrics["prompts_consumed"] = sampling["prompts_consumed"]
             metrics["generated_tokens"] = counts["generated"]
             metrics["trained_tokens"] = sum(minibatch_tokens.values()) * args.num_iterations
             metrics["generation_time_s"] = timings["generation"]
