@@ -1,8 +1,8 @@
 """Logging and seeding shared by grpo.py and prm.py, and nothing else.
 
-`RunLogger` writes a console line and a `metrics.jsonl` row per step, and with `track=True` the same to Weights & Biases
-(imported lazily, never required; `WANDB_MODE=offline` works). Only rank 0 logs: pass `enabled=False` elsewhere. The
-files are strict JSON: a non-finite value is written as null (`NaN` is not JSON); the console and wandb show nan.
+`RunLogger` writes a console line and a `metrics.jsonl` row per step, and with the run's `--track` the same to Weights &
+Biases (imported lazily, never required; `WANDB_MODE=offline` works). Only rank 0 logs: pass `enabled=False` elsewhere.
+The files are strict JSON: a non-finite value is written as null (`NaN` is not JSON); the console and wandb show nan.
 """
 
 import json
@@ -45,12 +45,11 @@ class RunLogger:
         config: dict,
         *,
         console_keys: dict[str, str],
-        track: bool = False,
-        wandb_project: str = "grpo",
         enabled: bool = True,
         append: bool = False,
     ):
-        """console_keys: {metric name: its label on the console line}; append: keep metrics.jsonl (a resumed run's)."""
+        """config: the run's flags, whose `track` and `wandb_project_name` turn wandb on and name its project;
+        console_keys: {metric name: its label on the console line}; append: keep metrics.jsonl (a resumed run's)."""
         self.enabled = enabled
         self.console_keys = console_keys
         self.run_dir = run_dir
@@ -62,8 +61,9 @@ class RunLogger:
         if not append:
             with open(self.metrics_path, "w"):
                 pass
-        if track:
-            self.wandb_run = start_wandb(config, wandb_project, os.path.basename(os.path.abspath(run_dir)))
+        if config.get("track"):
+            run_name = os.path.basename(os.path.abspath(run_dir))
+            self.wandb_run = start_wandb(config, config["wandb_project_name"], run_name)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:

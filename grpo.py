@@ -3,18 +3,17 @@
 GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300) samples `group_size` completions per prompt, scores them with
 verifiable rewards, and gives each completion's tokens its reward, standardised within the group, as their advantage.
 The loss is PPO's clipped surrogate plus a KL penalty to a frozen reference policy; there is no value model.
-Departures from the paper: DAPO's separate clip epsilons (https://arxiv.org/abs/2503.14476); `--loss-type` picks the
-aggregation, each normaliser counting the whole batch however it is split; advantages divided by the batch's reward std
-(`--scale-rewards batch`); each prompt's completions drawn from a random stream keyed by (seed, the prompt's position in
-the data stream), so that a resumed or multi-process run draws what one uninterrupted process does.
+Departures from the paper: DAPO's separate clip epsilons (https://arxiv.org/abs/2503.14476); `--loss-type`'s
+normalisers count the whole batch however it is split; advantages over the batch's reward std (`--scale-rewards batch`);
+a prompt's completions draw from a random stream keyed by (seed, its position in the data stream): a resumed or
+multi-process run draws what one uninterrupted process does.
 
 Run it:
     python grpo.py                                    # tiny model, built-in task, CPU, about 20 seconds
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data-path gsm8k.jsonl --lora-r 16 --kl-coef 0.05 \\
         --max-new-tokens 256 --learning-rate 1e-5 --output-dir runs/qwen-gsm8k --save-every 50
     python grpo.py ... --output-dir runs/qwen-gsm8k --resume-from latest    # after a stop or a crash
-    torchrun --standalone --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --data-path gsm8k.jsonl
-    torchrun --standalone --nproc_per_node 8 grpo.py --fsdp --model Qwen/Qwen2.5-7B-Instruct ...   # sharded
+    torchrun --standalone --nproc_per_node 8 grpo.py --model Qwen/Qwen2.5-1.5B-Instruct ...   # --fsdp to shard it
 """
 
 import functools
@@ -74,11 +73,9 @@ class Args:
     prm_path: str | None = None  # a PRM saved by prm.py: its aggregated step scores join the reward
     prm_reward_weight: float = 1.0  # weight of the PRM reward
     prm_aggregate: Literal["min", "prod", "last", "mean"] = "min"  # how step scores make one PRM reward
-    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens before --max-new-tokens
-    overlong_penalty: float = 1.0  # the penalty at --max-new-tokens, growing linearly over --overlong-buffer
     # Loss
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # how token losses are aggregated (see grpo_loss)
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"  # PPO's surrogate, its GSPO form, or CISPO's (see grpo_loss)
+    policy_loss: Literal["ppo", "gspo"] = "ppo"  # PPO's surrogate with a ratio per token, or per completion (GSPO)
     scale_rewards: Literal["group", "batch", "none"] = "batch"  # divide advantages by the group's or batch's std
     kl_coef: float = 0.02  # weight of the KL penalty to the reference policy; 0 = no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # per-token KL estimator (see kl_penalty)
@@ -159,13 +156,11 @@ def grpo_loss(
     kl_ratio_weighted: bool = False,
     total_sequences: int | None = None,
     total_tokens: float | None = None,
-    policy_loss: str = "ppo",
 ) -> tuple[torch.Tensor, dict]:
     """PPO's clipped surrogate plus a KL penalty per completion token, aggregated over the batch by loss_type.
-
     logp, old_logp, ref_logp, mask: [B, T], mask 1 on completion tokens (EOS included); advantages: [B].
     Per token, with r = exp(logp - old_logp): l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + kl_coef KL. GSPO's
-    importance_sampling "sequence" gives a row one r, delta caps r (INTELLECT-2), "cispo" is MiniMax-M1's policy term.
+    importance_sampling "sequence" (GSPO) gives a row's tokens one r, exp(their mean log r); delta caps r (INTELLECT-2).
     With N sequences, M tokens in the batch (total_*, when this call sees a part, so that the parts' losses sum to it):
         grpo: (1/N) sum_i (sum_t l m / sum_t m)   bnpo, dapo: sum l m / M   dr_grpo: sum l m / (N max_completion_length)
     Returns (loss, stats): this part's token means of the ratio, clip fractions, pg_loss and KL, and its token count.
@@ -184,13 +179,8 @@ def grpo_loss(
     else:
         raise ValueError(f"importance_sampling must be token or sequence, got {importance_sampling!r}")
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    if policy_loss == "ppo":  # the pessimistic surrogate: the smaller of the unclipped and clipped objective, either A
-        unclipped = ratio if delta is None else ratio.clamp(max=delta)
-        pg_loss = -torch.min(unclipped * adv, clipped * adv)  # [B, T]
-    elif policy_loss == "cispo":  # the clipped ratio only weighs the log-prob's gradient: every token keeps one
-        pg_loss = -clipped.detach() * adv * torch.where(in_loss, logp, 0.0)  # [B, T]
-    else:
-        raise ValueError(f"policy_loss must be ppo or cispo, got {policy_loss!r}")
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    pg_loss = -torch.min(unclipped * adv, clipped * adv)  # [B, T]: the pessimistic surrogate, for either sign of A
     token_loss = pg_loss
     kl = None
     if kl_coef != 0.0:
@@ -209,13 +199,10 @@ def grpo_loss(
         loss = row_sums.sum() / (num_sequences * max_completion_length)
     else:
         raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
-    with torch.no_grad():  # the tokens the clip acts on: for PPO, those whose gradient it stops; for CISPO, all it caps
-        clip_low = ratio < 1.0 - clip_eps_low
-        clip_high = ratio > 1.0 + clip_eps_high
-        if policy_loss == "ppo":
-            clip_low = clip_low & (adv < 0)
-            clip_high = clip_high & (adv > 0)
-        if policy_loss == "ppo" and delta is not None:
+    with torch.no_grad():  # the tokens whose gradient the clip stops
+        clip_low = (adv < 0) & (ratio < 1.0 - clip_eps_low)
+        clip_high = (adv > 0) & (ratio > 1.0 + clip_eps_high)
+        if delta is not None:
             clip_high = clip_high | ((adv < 0) & (ratio > delta))
         per_token = {"ratio_mean": ratio, "clip_frac_low": clip_low, "clip_frac_high": clip_high, "pg_loss": pg_loss}
         if kl is not None:
@@ -224,13 +211,6 @@ def grpo_loss(
         stats = {name: (value * mask).sum() / tokens.clamp(min=1.0) for name, value in per_token.items()}
         stats["tokens"] = tokens
     return loss, stats
-
-
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment of completion lengths [B]: 0 up to max_new_tokens - buffer tokens, then falling
-    linearly to -penalty at max_new_tokens (https://arxiv.org/abs/2503.14476, eq. 13)."""
-    excess = (lengths - (max_new_tokens - buffer)).clamp(min=0)
-    return -penalty * excess.float() / buffer
 
 
 def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, rows_per_chunk=16, vocab_size=None):
@@ -742,9 +722,6 @@ class MicroBatch(NamedTuple):
     prompt_of_row: list[int] | None  # each row's prompt, numbered from 0, to share prompts; None: no sharing
 
 
-SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to share its prompts (2.5x on long prompts)
-
-
 def micro_batches(batch: Rollout, rows: slice, size: int, group_size: int, share: bool) -> list[MicroBatch]:
     """A minibatch's rows cut into micro-batches of `size` rows. share: rows that repeat a prompt encode it once, where
     that skips at least SHARE_MIN_POSITIONS prompt positions."""
@@ -815,22 +792,15 @@ def sample_round(policy: Policy, rows, prompts, positions: range, reward_fns, ar
     prompt_texts = [row["prompt"] for row in sample_rows]
     rewards = compute_rewards(prompt_texts, completions, [row["answer"] for row in sample_rows], reward_fns)
     reward = sum(weight * rewards[name] for name, _, weight in reward_fns)  # [B]
-    if args.overlong_buffer:
-        lengths = batch.completion_mask.sum(1).cpu()
-        rewards["overlong"] = overlong_penalty(
-            lengths, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty
-        )
-        reward = reward + rewards["overlong"]
     timings["generation"] += generated - start
     timings["reward"] += clock(cuda) - generated
     return Round(batch, sample_rows, completions, rewards, reward)
 
 
 def sample_step(policy: Policy, rows, prompts, reward_fns, data_position: int, args: Args, timings: dict):
-    """Steps 1 and 2 of a training step: this process's groups of the --prompts-per-step at data_position in the data
-    stream. With --dynamic-sampling, a group whose rewards are all equal (no signal) is dropped and more prompts
-    sampled, in rounds all processes take together, --max-sampling-rounds at most; then groups without signal fill the
-    step. Returns the groups to train on (one Round, prompts padded on the left) and the sampling's counts."""
+    """Steps 1 and 2: this process's groups of the step, and the sampling's counts. With --dynamic-sampling, a group
+    whose rewards are all equal (no signal) is dropped and more prompts are drawn, in rounds all processes take
+    together, --max-sampling-rounds at most; then the last round's groups without signal fill the step."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     num_groups = args.prompts_per_step // world_size
@@ -874,10 +844,8 @@ def majority_right(completions: list[str], answer: str) -> float:
         return 0.0
     stated = [stated_answer(completion, unstated(completion, reference)) for completion in completions]
     votes = [vote for vote in stated if vote]
-    if not votes:
-        return 0.0
-    winner = max(dict.fromkeys(votes), key=lambda candidate: sum(same_answer(vote, candidate) for vote in votes))
-    return float(same_answer(winner, reference))
+    winner = max(dict.fromkeys(votes), key=lambda vote: sum(same_answer(other, vote) for other in votes), default=None)
+    return float(winner is not None and same_answer(winner, reference))
 
 
 @torch.no_grad()
@@ -936,6 +904,7 @@ CONSOLE = {
     "eval_pass@1": "pass@1",
     "step_time_s": "dt",
 }
+SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to share its prompts (2.5x on long prompts)
 STUCK_STEPS = 5  # steps in a row of a problem that stops learning before it is warned about
 MAX_BAD_STEPS = 3  # updates in a row with a non-finite loss (each one skipped) that stop the run
 
@@ -1180,20 +1149,11 @@ def train(args: Args) -> dict:
     data_position = state["data_position"]  # of the next prompt in the data stream
     eval_start = state["eval_start"]
     skipped_updates = state["skipped"]
-
     if resume_path is None and is_main:  # every check passed: what was there before may go
         remove_earlier_run(output_dir)
 
     # ---- Logging; the batch's layout: a process holds whole groups, its minibatches are runs of them
-    logger = RunLogger(
-        output_dir,
-        asdict(args),
-        console_keys=CONSOLE,
-        track=args.track,
-        wandb_project=args.wandb_project_name,
-        enabled=is_main,
-        append=resume_path is not None,
-    )
+    logger = RunLogger(output_dir, asdict(args), console_keys=CONSOLE, enabled=is_main, append=resume_path is not None)
     num_params = sum(p.numel() for p in model.parameters())
     num_trained = sum(p.numel() for p in trainable)
     message = f"model {args.model}: {num_params:,} parameters ({num_trained:,} trained), bf16 {bf16}, {world_size}"
@@ -1204,13 +1164,9 @@ def train(args: Args) -> dict:
     micro_batch_size = args.micro_batch_size or minibatch_rows
     share_prompts = not (args.gradient_checkpointing or args.fsdp)  # both need one forward pass per micro-batch
     importance_sampling = "sequence" if args.policy_loss == "gspo" else "token"  # GSPO: PPO, a ratio per completion
-    surrogate = "cispo" if args.policy_loss == "cispo" else "ppo"
-    completions_every = args.log_completions_every
-    if completions_every is None:
-        completions_every = args.eval_every
-    peak_tflops = 0.0
-    if cuda:
-        peak_tflops = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), 0)
+    completions_every = args.eval_every if args.log_completions_every is None else args.log_completions_every
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak_tflops = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in device_name), 0)
 
     if not resume_path and eval_rows:
         eval_start = evaluate(policy, eval_prompts, eval_rows, args, reward_fns)
@@ -1309,7 +1265,6 @@ def train(args: Args) -> dict:
                             kl_ratio_weighted=args.kl_ratio_weighted,
                             total_sequences=minibatch_rows * world_size,
                             total_tokens=minibatch_tokens[j],
-                            policy_loss=surrogate,
                         )
                         loss.backward()
                         if last_pass:
@@ -1411,10 +1366,8 @@ def train(args: Args) -> dict:
     summary.update({f"{key}_end": value for key, value in eval_end.items()})
     summary["skipped_updates"] = skipped_updates
     summary["resumed_from_step"] = start_step
-    summary["stop_signal"] = None
-    if stopped:
-        summary["stop_signal"] = signal.Signals(stop_signals[0]).name
-    else:
+    summary["stop_signal"] = signal.Signals(stop_signals[0]).name if stopped else None
+    if not stopped:
         logger.summary(summary)
     logger.close()
     if distributed:

@@ -813,15 +813,7 @@ def train(args):
         for name in ["final", *[f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]]:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
         Path(output_dir, "summary.json").unlink(missing_ok=True)
-    logger = RunLogger(
-        output_dir,
-        asdict(args),
-        console_keys=CONSOLE_KEYS,
-        track=args.track,
-        enabled=rank == 0,
-        wandb_project=args.wandb_project_name,
-        append=bool(resume_path),
-    )
+    logger = RunLogger(output_dir, asdict(args), console_keys=CONSOLE_KEYS, enabled=rank == 0, append=bool(resume_path))
     if eval_examples and not resume_path:  # (a resumed run's come from its checkpoint)
         eval_start = evaluate(prm, val_examples, eval_examples, args.eval_batch_size)
         logger.log(0, eval_start)

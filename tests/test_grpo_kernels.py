@@ -19,7 +19,6 @@ from grpo import (
     kl_penalty,
     left_pad,
     load_model,
-    overlong_penalty,
     token_logprobs,
 )
 
@@ -519,39 +518,13 @@ def test_low_precision_inputs_and_mask_dtypes():
         lambda z: grpo_loss(*z, importance_sampling="tokens"),
         lambda z: grpo_loss(*z, kl_coef=0.1),  # KL without ref_logp
         lambda z: grpo_loss(*z, loss_type="dr_grpo"),  # without max_completion_length
-        lambda z: grpo_loss(*z, policy_loss="reinforce"),
     ],
-    ids=["scale", "estimator", "loss_type", "importance_sampling", "no_ref", "no_max_len", "policy"],
+    ids=["scale", "estimator", "loss_type", "importance_sampling", "no_ref", "no_max_len"],
 )
 def test_unknown_choices_raise(call):
     logp = torch.zeros(2, 2)
     with pytest.raises((ValueError, KeyError, AttributeError, TypeError)):  # Python's own errors, not silence
         call((logp, logp, None, torch.zeros(2), torch.ones(2, 2)))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# CISPO, overlong penalty
-
-
-def test_cispo_is_its_formula_and_keeps_the_gradient_ppo_clips():
-    logp, old_logp, _, adv, mask = make_batch(seed=41)
-    kwargs = dict(clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, loss_type="bnpo")
-    loss, stats, grad = run_loss((logp, old_logp, None, adv, mask), policy_loss="cispo", **kwargs)
-    weight = ratios((logp, old_logp, None, adv, mask), "token").clamp(1 - EPS_LOW, 1 + EPS_HIGH)
-    expected = -(weight * adv[:, None] * logp * mask).sum() / mask.sum()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
-    torch.testing.assert_close(grad, -weight * adv[:, None] * mask / mask.sum())  # d(-w A logp)/d logp, w detached
-    _, _, ppo_grad = run_loss((logp, old_logp, None, adv, mask), **kwargs)
-    r = ratios((logp, old_logp, None, adv, mask), "token")
-    stopped = (mask > 0) & (((adv[:, None] > 0) & (r > 1 + EPS_HIGH)) | ((adv[:, None] < 0) & (r < 1 - EPS_LOW)))
-    assert stopped.any() and (ppo_grad[stopped] == 0).all() and (grad[stopped] != 0).all()
-    assert stats["clip_frac_high"].item() == pytest.approx(((r > 1 + EPS_HIGH) & (mask > 0)).sum().item() / mask.sum())
-
-
-def test_overlong_penalty_hand_values():
-    lengths = torch.arange(1, 9)
-    assert overlong_penalty(lengths, 8, 4, 1.0).tolist() == [0.0] * 4 + [-0.25, -0.5, -0.75, -1.0]
-    assert overlong_penalty(lengths, 8, 1, 0.5).tolist() == [0.0] * 7 + [-0.5]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -563,16 +563,6 @@ def test_dynamic_sampling_trains_on_groups_with_signal_and_resumes_exactly(tmp_p
     assert len(steps(tmp_path / "ddp")) == 2
 
 
-def test_overlong_penalty_and_cispo_in_a_run(tmp_path):
-    flags = ["--overlong-buffer", "1", "--overlong-penalty", "0.5"]
-    run(tmp_path / "run", *flags, "--policy-loss", "cispo", "--num-iterations", "2")
-    for row in steps(tmp_path / "run"):
-        # a completion of --max-new-tokens 2 tokens gets -0.5, shorter ones 0
-        assert -0.5 <= row["reward_overlong"] <= 0
-        expected = row["reward_answer"] + 0.1 * row["reward_format"] + row["reward_overlong"]
-        assert row["reward"] == pytest.approx(expected, abs=1e-6)
-
-
 def test_evaluation_with_samples_logs_pass_maj_and_prm_at_k(tmp_path, tiny_prm):
     out = tmp_path / "run"
     run(out, "--eval-num-samples", "8", "--prm-path", str(tiny_prm), "--total-steps", "1")
