@@ -319,7 +319,8 @@ def stated_answer(text: str, otherwise: str | None) -> str | None:
 
 
 def unstated(text: str, reference: str) -> str | None:
-    """What a text stating no answer ends on: a bare-maths last sentence, a number (numeric reference) or last $...$."""
+    """What a text stating no answer ends on: a bare-maths last sentence, else its last number (GSM8K's "... so she
+    makes $18.") for a numeric reference, or the last sentence's last $...$."""
     last = SENTENCE_END.split(text.strip())[-1]
     if not PROSE.search(NOISE.sub("", last)):  # a unit, "6\\text{ square units}", is no prose
         return last
@@ -819,7 +820,8 @@ def sample_step(policy: Policy, rows, prompts, reward_fns, data_position: int, a
     counts = {"sampling_rounds": len(rounds), "prompts_consumed": len(rounds) * args.prompts_per_step}
     counts["groups_dropped"] = len(rounds) * num_groups - max(len(kept), num_groups)  # without signal, not filled in
     # out of rounds: the last round's groups without signal fill the step
-    kept = (kept + [(number, group) for group in range(num_groups) if not has_signal[group]])[:num_groups]
+    kept += [(number, group) for group in range(num_groups) if not has_signal[group]]
+    kept = kept[:num_groups]  # a last round's surplus groups with signal are not needed
     if len(rounds) == 1:  # then every group of it is kept: nothing to merge
         return rounds[0], counts
     parts = [(rounds[number], slice(group * args.group_size, (group + 1) * args.group_size)) for number, group in kept]
@@ -906,7 +908,7 @@ CONSOLE = {
 }
 SHARE_MIN_POSITIONS = 128  # prompt positions a micro-batch must skip to share its prompts (2.5x on long prompts)
 STUCK_STEPS = 5  # steps in a row of a problem that stops learning before it is warned about
-MAX_BAD_STEPS = 3  # updates in a row with a non-finite loss (each one skipped) that stop the run
+MAX_BAD_UPDATES = 3  # updates in a row with a non-finite loss (each one skipped) that stop the run
 
 
 def all_sum(values: dict, device) -> dict:
@@ -1286,8 +1288,8 @@ def train(args: Args) -> dict:
                         bad_updates += 1
                         message = f"warning: step {step + 1}: non-finite gradient, update skipped"
                         print0(message, file=sys.stderr, enabled=is_main)
-                    if bad_updates == MAX_BAD_STEPS:
-                        message = f"{MAX_BAD_STEPS} updates in a row had a non-finite loss or gradient"
+                    if bad_updates == MAX_BAD_UPDATES:
+                        message = f"{MAX_BAD_UPDATES} updates in a row had a non-finite loss or gradient"
                         raise UserError(f"{message}: lower --learning-rate or check the rewards")
                     optimizer.zero_grad(set_to_none=True)
             updated_at = clock(cuda)
