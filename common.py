@@ -22,9 +22,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def print0(*args, enabled: bool = True, **kwargs) -> None:
-    """print() that flushes, so that subprocess pipes and torchrun logs show lines as they come."""
-    if enabled:
+def print0(*args, **kwargs) -> None:
+    """print() on rank 0 only (torchrun sets RANK), flushed: subprocess pipes and torchrun logs show lines at once."""
+    if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
 
 

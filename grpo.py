@@ -556,7 +556,7 @@ def encode_prompts(tokenizer, rows: list[dict], args: Args) -> list[list[int]]:
     unknown = sum(tokenizer.unk_token_id in ids for ids in encoded)
     if unknown:  # characters the tokenizer cannot spell: the model never sees them, a sure way to learn nothing
         message = f"{unknown} of {len(encoded)} prompts hold the unknown token {tokenizer.unk_token}"
-        print0(f"warning: {message}", file=sys.stderr, enabled=int(os.environ.get("RANK", 0)) == 0)
+        print0(f"warning: {message}", file=sys.stderr)
     return encoded
 
 
@@ -867,8 +867,7 @@ def evaluate(policy: Policy, prompts, rows, args: Args, reward_fns) -> dict:
             generators = [seeded_generator([args.seed, number, 1], policy.device) for number in numbers]
         completed = generate(policy, [prompts[number] for number in numbers for _ in range(k)], args, generators, k)
         texts += decode_completions(policy, completed)
-    sample = f"held-out sample: {rows[0]['prompt']!r} -> {texts[0]!r} (reference {rows[0]['answer']!r})"
-    print0(sample, enabled=int(os.environ.get("RANK", 0)) == 0)
+    print0(f"held-out sample: {rows[0]['prompt']!r} -> {texts[0]!r} (reference {rows[0]['answer']!r})")
     right = torch.tensor([answer_reward(text, rows[i // k]["answer"]) for i, text in enumerate(texts)]).view(-1, k)
     if k == 1:
         return {"eval_accuracy": right.mean().item()}
@@ -926,7 +925,7 @@ def clock(cuda: bool) -> float:
     return time.perf_counter()
 
 
-def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: Args, is_main: bool) -> None:
+def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: Args) -> None:
     """Warn once about a problem that keeps a run from learning when STUCK_STEPS steps in a row (streaks) show it."""
     cut = metrics["truncated_frac"] > 0.5 and truncated_correct == 0
     flat = metrics["frac_zero_std_groups"] == 1.0
@@ -938,7 +937,7 @@ def warn_if_stuck(metrics: dict, truncated_correct: float, streaks: dict, args: 
         if streaks.get(message, 0) < STUCK_STEPS:  # a streak that reached it stays: no second warning
             streaks[message] = streaks.get(message, 0) + 1 if happening else 0
             if streaks[message] == STUCK_STEPS:
-                print0(f"warning: {STUCK_STEPS} steps in a row: {message}", file=sys.stderr, enabled=is_main)
+                print0(f"warning: {STUCK_STEPS} steps in a row: {message}", file=sys.stderr)
 
 
 def completion_rows(sampled: Round, advantages: torch.Tensor, group_size: int) -> list[dict]:
@@ -1051,7 +1050,7 @@ def prepare_output_dir(args: Args, device) -> tuple[str, str | None, dict | None
             summary = json.load(f)
         if summary["steps"] >= args.total_steps:
             message = f"{output_dir}: the run finished at step {summary['steps']} (with a checkpoint, a larger"
-            print0(f"{message} --total-steps extends it)", enabled=int(os.environ.get("RANK", 0)) == 0)
+            print0(f"{message} --total-steps extends it)")
             return output_dir, None, summary
     if resume == "latest":
         message = f"--resume-from latest: {output_dir} holds no checkpoint (--save-every N writes them)"
@@ -1125,7 +1124,7 @@ def train(args: Args) -> dict:
         if distributed:
             dist.destroy_process_group()
         return finished
-    print0(f"output directory: {output_dir}", enabled=is_main)
+    print0(f"output directory: {output_dir}")
 
     # ---- Data, policy, reference policy, rewards, optimiser
     if args.data_path is None:
@@ -1159,7 +1158,7 @@ def train(args: Args) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     num_trained = sum(p.numel() for p in trainable)
     message = f"model {args.model}: {num_params:,} parameters ({num_trained:,} trained), bf16 {bf16}, {world_size}"
-    print0(f"{message} process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out", enabled=is_main)
+    print0(f"{message} process(es); {len(train_rows)} training prompts, {len(eval_rows)} held out")
     local_rows = args.prompts_per_step // world_size * args.group_size  # B: this process's completions per step
     minibatch_rows = local_rows // args.num_minibatches
     minibatches = [slice(j * minibatch_rows, (j + 1) * minibatch_rows) for j in range(args.num_minibatches)]
@@ -1286,8 +1285,7 @@ def train(args: Args) -> dict:
                     else:  # a non-finite loss or gradient would poison the weights: skip the update
                         skipped_updates += 1
                         bad_updates += 1
-                        message = f"warning: step {step + 1}: non-finite gradient, update skipped"
-                        print0(message, file=sys.stderr, enabled=is_main)
+                        print0(f"warning: step {step + 1}: non-finite gradient, update skipped", file=sys.stderr)
                     if bad_updates == MAX_BAD_UPDATES:
                         message = f"{MAX_BAD_UPDATES} updates in a row had a non-finite loss or gradient"
                         raise UserError(f"{message}: lower --learning-rate or check the rewards")
@@ -1336,7 +1334,7 @@ def train(args: Args) -> dict:
             history.append(metrics)
             if completions_every and (step + 1) % completions_every == 0:
                 logger.log_rows(step + 1, "completions", completion_rows(sampled, advantages, args.group_size))
-            warn_if_stuck(metrics, counts["truncated_correct"], streaks, args, is_main)
+            warn_if_stuck(metrics, counts["truncated_correct"], streaks, args)
             stopped = counts["stop"] > 0  # a signal to any process stops every process after the same step
             if (args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.total_steps)) or stopped:
                 state = {"step": step + 1, "data_position": data_position, "eval_start": eval_start}
@@ -1349,7 +1347,7 @@ def train(args: Args) -> dict:
                         shutil.rmtree(os.path.join(output_dir, f"checkpoint-{old}"))
             if stopped:
                 message = f"stopped by a signal: checkpoint-{step + 1} saved; continue with the same command and"
-                print0(f"{message} --output-dir {output_dir} --resume-from latest", enabled=is_main)
+                print0(f"{message} --output-dir {output_dir} --resume-from latest")
                 break
     finally:
         for sig, handler in previous_handlers.items():
@@ -1387,7 +1385,7 @@ def main() -> None:
     except Exception as error:  # a UserError of this file or of prm.py; under torchrun every process meets it
         if type(error).__name__ != "UserError":
             raise
-        print0(f"error: {error}", file=sys.stderr, enabled=int(os.environ.get("RANK", 0)) == 0)
+        print0(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     if summary["stop_signal"]:  # checkpointed, not finished: a scheduler must not take it for done
         sys.exit(128 + signal.Signals[summary["stop_signal"]])

@@ -766,11 +766,11 @@ def train(args):
     output_dir, resume_path, finished = prepare_output_dir(args, device)
     if finished is not None:
         message = f"the run finished at step {finished['steps']} (with a checkpoint, a larger --total-steps extends it)"
-        print0(f"{output_dir}: {message}", enabled=rank == 0)
+        print0(f"{output_dir}: {message}")
         if distributed:
             dist.destroy_process_group()
         return finished
-    print0(f"output directory: {output_dir}", enabled=rank == 0)
+    print0(f"output directory: {output_dir}")
     seed_everything(args.seed)  # the same on every process: identical initial weights
 
     # ---- data (a bad line fails before any model loads), model, tokenisation, optimiser
@@ -786,7 +786,7 @@ def train(args):
     train_examples = [example for example in train_encoded if example["positions"]]
     if not train_examples:
         raise UserError(f"every training row was truncated away by --max-length {args.max_length}")
-    if dropped and rank == 0:  # wrong steps come last: truncation loses them first
+    if dropped:  # wrong steps come last: truncation loses them first
         num_steps = sum(len(example["all_labels"]) for example in encoded)
         counts = f"drops {len(dropped):,} of {num_steps:,} steps, {sum(label < 0.5 for label in dropped):,} of them"
         print0(f"warning: --max-length {args.max_length} {counts} labelled wrong: raise --max-length", file=sys.stderr)
@@ -901,8 +901,7 @@ def train(args):
     if stop:
         print0(
             f"stopped by a signal after step {steps_done}, checkpoint-{steps_done} saved: continue with the same "
-            f"flags and --output-dir {output_dir} --resume-from latest",
-            enabled=rank == 0,
+            f"flags and --output-dir {output_dir} --resume-from latest"
         )
         logger.close()
         if distributed:

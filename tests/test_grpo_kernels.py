@@ -27,6 +27,9 @@ SCALES = ["group", "batch", "none"]
 EPS_LOW, EPS_HIGH, DELTA = 0.2, 0.28, 1.5  # eps_low != eps_high on purpose
 MAX_LEN = 9  # completion length of the batches, and dr_grpo's constant
 ADV = [1.3, -0.8, 0.0, 0.5, -1.1, 0.9, -0.6, 0.7]  # both signs and 0; row 3 is fully masked
+CLIPPED_WITH_KL = dict(
+    clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=0.1, max_completion_length=MAX_LEN, delta=DELTA
+)
 SEQ_RATIOS = {0: 1.6, 1: 0.6, 6: 2.0}  # GSPO rows: clipped high (A > 0), clipped low (A < 0), beyond delta (A < 0)
 
 
@@ -414,15 +417,7 @@ SPLITS = {"halves": [0, 4, 8], "uneven": [0, 3, 8], "two_processes": [0, 1, 4, 7
 @pytest.mark.parametrize("split", SPLITS)
 def test_parts_sum_to_the_whole_batch(loss_type, importance_sampling, split):
     logp, old_logp, ref_logp, adv, mask = make_batch(seed=31)
-    kwargs = dict(
-        clip_eps_low=EPS_LOW,
-        clip_eps_high=EPS_HIGH,
-        kl_coef=0.1,
-        loss_type=loss_type,
-        max_completion_length=MAX_LEN,
-        delta=DELTA,
-        importance_sampling=importance_sampling,
-    )
+    kwargs = dict(CLIPPED_WITH_KL, loss_type=loss_type, importance_sampling=importance_sampling)
     whole, _, whole_grad = run_loss((logp, old_logp, ref_logp, adv, mask), **kwargs)
     leaf, summed = logp.clone().requires_grad_(True), 0.0
     bounds = SPLITS[split]
@@ -447,14 +442,7 @@ def test_parts_sum_to_the_whole_batch(loss_type, importance_sampling, split):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_masked_positions_contribute_nothing(loss_type):
     batch = make_batch(seed=21, dtype=torch.float32)
-    kwargs = dict(
-        clip_eps_low=EPS_LOW,
-        clip_eps_high=EPS_HIGH,
-        kl_coef=0.1,
-        loss_type=loss_type,
-        max_completion_length=MAX_LEN,
-        delta=DELTA,
-    )
+    kwargs = dict(CLIPPED_WITH_KL, loss_type=loss_type)
     clean_loss, clean_stats, clean_grad = run_loss(batch, **kwargs)
     logp, old_logp, ref_logp, adv, mask = batch
     off = mask == 0
